@@ -1,1 +1,18 @@
+//! The backend room: candle devices and dtypes, linear layers over quantized or dense weights,
+//! RoPE styles, attention dispatch and custom kernels. Knows nothing of models or requests.
 
+pub mod attention;
+pub mod cpu;
+pub mod device;
+pub mod linear;
+pub mod norm;
+pub mod rope;
+
+pub use attention::{attend, AttentionParams};
+pub use candle_core::{DType, Device, Tensor};
+pub use cpu::matmul::WeightBytes;
+pub use device::parse_device;
+pub use linear::{Linear, Weight};
+pub use rope::{Rope, RopeStyle};
+
+pub type Result<T> = candle_core::Result<T>;

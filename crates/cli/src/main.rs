@@ -1,1 +1,81 @@
-fn main() {}
+//! `ferrolm`: serve, generate and benchmark LLMs on CPUs and NVIDIA GPUs.
+
+mod bench;
+mod bundle;
+mod generate;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "ferrolm",
+    version,
+    about = "LLM inference engine and OpenAI-compatible server"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a completion for one prompt; text streams to stdout, stats to stderr.
+    Generate(generate::Args),
+    /// Measure prefill and decode speed on the model.
+    Bench(bench::Args),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("FERROLM_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match Cli::parse().command {
+        Command::Generate(args) => generate::run(args),
+        Command::Bench(args) => bench::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+/// A command's failure with the exit code it maps to: 2 for a bad model or bad input.
+#[derive(Debug)]
+pub struct CliError {
+    message: String,
+    code: u8,
+}
+
+impl CliError {
+    pub fn usage(message: impl std::fmt::Display) -> Self {
+        Self {
+            message: message.to_string(),
+            code: 2,
+        }
+    }
+    pub fn runtime(message: impl std::fmt::Display) -> Self {
+        Self {
+            message: message.to_string(),
+            code: 1,
+        }
+    }
+    fn exit_code(&self) -> u8 {
+        self.code
+    }
+}
+
+impl std::fmt::Display for CliError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+pub type CliResult<T> = Result<T, CliError>;

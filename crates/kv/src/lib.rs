@@ -1,1 +1,38 @@
+//! The KV-cache family behind one trait (DESIGN §4). Models call `update_and_fetch`; the caller
+//! (the engine) owns the caches.
 
+mod plain;
+mod seq;
+
+pub use plain::PlainCache;
+pub use seq::SeqCache;
+
+use candle_core::{Result, Tensor};
+
+/// Keys and values a layer attends over, in temporal order, `[kv_heads, tokens, head_dim]`.
+pub struct KvView {
+    pub k: Tensor,
+    pub v: Tensor,
+    /// Absolute position of the first key in the view.
+    pub key_start: usize,
+}
+
+/// One layer's cache for one sequence.
+pub trait KvCache: Send {
+    /// Appends `k`, `v` `[kv_heads, new_tokens, head_dim]` and returns everything to attend over.
+    fn update_and_fetch(&mut self, k: &Tensor, v: &Tensor) -> Result<KvView>;
+    /// Tokens written so far (the position of the next token).
+    fn offset(&self) -> usize;
+    /// Whether `trim` can remove tokens from the end.
+    fn is_trimmable(&self) -> bool;
+    /// Removes up to `n` tokens from the end; returns how many were removed.
+    fn trim(&mut self, n: usize) -> usize;
+    /// Names the scheme: `kv:plain`, `kv:rotating`, …
+    fn signature(&self) -> String;
+    /// Bytes held per cached token (all heads, keys and values).
+    fn bytes_per_token(&self) -> usize;
+    /// The cached keys and values (temporal order) and the offset, for snapshots.
+    fn state(&self) -> Result<Option<KvView>>;
+    /// Restores a state produced by `state` of a cache with the same signature.
+    fn load_state(&mut self, state: &KvView, offset: usize) -> Result<()>;
+}

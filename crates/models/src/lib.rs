@@ -1,1 +1,27 @@
+//! The models room: one file per architecture (named after the checkpoint's `model_type`),
+//! shared layers, loaders and a single registry. Models are stateless about caching: they write
+//! through the caches the caller passes in.
 
+pub mod layers;
+pub mod llama;
+pub mod loader;
+mod model;
+pub mod paths;
+pub mod registry;
+
+pub use loader::gguf::GgufFile;
+pub use model::{CausalLm, ModelInfo, SeqInput};
+pub use registry::{load, ModelSource};
+
+/// Errors while opening or building a model; always name the file or tensor involved.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("{path}: {message}")]
+    File { path: String, message: String },
+    #[error("unsupported architecture {0:?} (supported: {1})")]
+    UnsupportedArchitecture(String, String),
+    #[error("{0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+pub type Result<T> = std::result::Result<T, LoadError>;

@@ -1,0 +1,336 @@
+//! y = x Wᵀ for f32 activations x `[t, k]` and a weight W `[n, k]` in a GGML block format,
+//! read straight from the model file's memory map.
+//!
+//! - One token (decode): each thread takes a range of rows; a row's blocks are dequantized in
+//!   registers and multiplied into the activations (`gemv`).
+//! - Several tokens (prefill): 32- or 16-row panels of W are dequantized once into a transposed
+//!   f32 scratch panel, then a register-blocked micro-kernel multiplies it with every token
+//!   (`gemm`), so dequantization is paid once per panel, not once per token.
+
+use super::formats::{self, Block, Format};
+use super::micro::{self, MicroKernel};
+pub use super::simd::Level as CpuLevel;
+use super::simd::{level, multiversion, Level, MulAdd};
+use super::threads::{parallel_ranges, SharedOut};
+use std::cell::RefCell;
+
+/// Raw weight bytes the kernels read (usually a slice of the model's memory map).
+pub trait WeightBytes: Send + Sync {
+    fn bytes(&self) -> &[u8];
+}
+
+impl WeightBytes for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+pub struct CpuMatmul {
+    format: Format,
+    rows: usize,
+    cols: usize,
+    data: std::sync::Arc<dyn WeightBytes>,
+}
+
+impl CpuMatmul {
+    /// `rows` = output features, `cols` = input features (a multiple of the block size).
+    pub fn new(
+        format: Format,
+        rows: usize,
+        cols: usize,
+        data: std::sync::Arc<dyn WeightBytes>,
+    ) -> Option<Self> {
+        let expected = rows * (cols / format.block()) * format.block_bytes();
+        (cols % format.block() == 0 && data.bytes().len() == expected).then_some(Self {
+            format,
+            rows,
+            cols,
+            data,
+        })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    pub fn format(&self) -> Format {
+        self.format
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        self.data.bytes()
+    }
+
+    /// x `[t, cols]` → y `[t, rows]`.
+    pub fn forward(&self, x: &[f32], t: usize, y: &mut [f32]) {
+        self.forward_at(level(), x, t, y)
+    }
+
+    /// `forward` with the kernels of a given feature level (at most the CPU's).
+    pub fn forward_at(&self, level: Level, x: &[f32], t: usize, y: &mut [f32]) {
+        assert_eq!(x.len(), t * self.cols);
+        assert_eq!(y.len(), t * self.rows);
+        let a = Args {
+            level,
+            w: self.data.bytes(),
+            rows: self.rows,
+            cols: self.cols,
+            x,
+            t,
+            y: SharedOut::new(y),
+        };
+        match self.format {
+            Format::F32 => run::<formats::F32>(&a),
+            Format::F16 => run::<formats::F16>(&a),
+            Format::BF16 => run::<formats::BF16>(&a),
+            Format::Q4_0 => run::<formats::Q4_0>(&a),
+            Format::Q4_1 => run::<formats::Q4_1>(&a),
+            Format::Q5_0 => run::<formats::Q5_0>(&a),
+            Format::Q5_1 => run::<formats::Q5_1>(&a),
+            Format::Q8_0 => run::<formats::Q8_0>(&a),
+            Format::Q4K => run::<formats::Q4K>(&a),
+            Format::Q6K => run::<formats::Q6K>(&a),
+        }
+    }
+}
+
+struct Args<'a> {
+    level: Level,
+    w: &'a [u8],
+    rows: usize,
+    cols: usize,
+    x: &'a [f32],
+    t: usize,
+    y: SharedOut,
+}
+
+fn run<B: Block + 'static>(a: &Args) {
+    let worth = a.rows * a.cols * a.t >= 1 << 15;
+    if a.t == 1 {
+        parallel_ranges(a.rows, 4, worth, |rows| gemv::<B>(a.level, a, rows));
+    } else {
+        let nr = panel_width(a.level);
+        let xp = pack_activations(a.x, a.t, a.cols, tile_height(a.level));
+        parallel_ranges(a.rows, nr, worth, |rows| {
+            // Scratch is taken here, outside the multiversioned kernel: closures do not inherit
+            // the kernel's target features.
+            SCRATCH.with(|s| {
+                let (row_buf, panel) = &mut *s.borrow_mut();
+                row_buf.resize(a.cols, 0.0);
+                panel.resize(a.cols * nr, 0.0);
+                gemm::<B>(a.level, a, &xp, rows, row_buf, panel)
+            })
+        });
+    }
+}
+
+multiversion!(fn gemv<B: Block>(a: &Args, rows: std::ops::Range<usize>) => gemv_impl);
+multiversion!(fn gemm<B: Block>(a: &Args, xp: &[f32], rows: std::ops::Range<usize>, row_buf: &mut [f32], panel: &mut [f32]) => gemm_impl);
+
+const LANES: usize = 16;
+
+/// Decode: one token against rows `rows`, four rows at a time for instruction-level parallelism.
+#[inline(always)]
+fn gemv_impl<B: Block, F: MulAdd>(_level: Level, a: &Args, rows: std::ops::Range<usize>) {
+    let row_bytes = a.cols / B::N * B::BYTES;
+    let mut r = rows.start;
+    while r < rows.end {
+        let n = (rows.end - r).min(4);
+        let mut acc = [[0f32; LANES]; 4];
+        let mut buf = [[0f32; 256]; 4];
+        for blk in 0..a.cols / B::N {
+            let xs = &a.x[blk * B::N..(blk + 1) * B::N];
+            for i in 0..n {
+                let off = (r + i) * row_bytes + blk * B::BYTES;
+                B::dequant(&a.w[off..off + B::BYTES], &mut buf[i][..B::N]);
+                for (wc, xc) in buf[i][..B::N]
+                    .chunks_exact(LANES)
+                    .zip(xs.chunks_exact(LANES))
+                {
+                    for l in 0..LANES {
+                        acc[i][l] = F::mul_add(wc[l], xc[l], acc[i][l]);
+                    }
+                }
+            }
+        }
+        for i in 0..n {
+            // SAFETY: each thread owns a distinct row range.
+            unsafe { a.y.write(r + i, acc[i].iter().sum()) };
+        }
+        r += n;
+    }
+}
+
+/// Width of a weight panel (output features per micro-kernel tile).
+fn panel_width(level: Level) -> usize {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => micro::Avx512::NR,
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => micro::Avx2::NR,
+        _ => micro::Portable::NR,
+    }
+}
+
+/// Tokens per micro-kernel tile.
+fn tile_height(level: Level) -> usize {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => micro::Avx512::MR,
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => micro::Avx2::MR,
+        _ => micro::Portable::MR,
+    }
+}
+
+/// Activations regrouped into tiles of `mr` tokens, `[tiles][k][mr]`, zero-padded, so the
+/// micro-kernel reads the `mr` values of one k from one cache line.
+fn pack_activations(x: &[f32], t: usize, k: usize, mr: usize) -> Vec<f32> {
+    let tiles = t.div_ceil(mr);
+    let mut xp = vec![0f32; tiles * k * mr];
+    for tok in 0..t {
+        let (tile, lane) = (tok / mr, tok % mr);
+        let dst = &mut xp[tile * k * mr..(tile + 1) * k * mr];
+        for (kk, v) in x[tok * k..(tok + 1) * k].iter().enumerate() {
+            dst[kk * mr + lane] = *v;
+        }
+    }
+    xp
+}
+
+thread_local! {
+    /// Per-thread scratch: one dequantized row and one transposed panel.
+    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+#[inline(always)]
+fn gemm_impl<B: Block, F: MulAdd>(
+    level: Level,
+    a: &Args,
+    xp: &[f32],
+    rows: std::ops::Range<usize>,
+    row_buf: &mut [f32],
+    panel: &mut [f32],
+) {
+    let _ = std::marker::PhantomData::<F>;
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => gemm_tiles::<B, micro::Avx512>(a, xp, rows, row_buf, panel),
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => gemm_tiles::<B, micro::Avx2>(a, xp, rows, row_buf, panel),
+        _ => gemm_tiles::<B, micro::Portable>(a, xp, rows, row_buf, panel),
+    }
+}
+
+#[inline(always)]
+fn gemm_tiles<B: Block, K: MicroKernel>(
+    a: &Args,
+    xp: &[f32],
+    rows: std::ops::Range<usize>,
+    row_buf: &mut [f32],
+    panel: &mut [f32],
+) {
+    let (mr, nr) = (K::MR, K::NR);
+    let mut acc = [0f32; 256];
+    let mut p = rows.start;
+    while p < rows.end {
+        let width = (rows.end - p).min(nr);
+        pack_panel::<B>(a, p, width, nr, row_buf, panel);
+        for tile in 0..a.t.div_ceil(mr) {
+            let xt = &xp[tile * a.cols * mr..(tile + 1) * a.cols * mr];
+            // SAFETY: the level (hence the kernel's features) was detected; sizes match.
+            unsafe { K::run(a.cols, xt, panel, &mut acc) };
+            for i in 0..(a.t - tile * mr).min(mr) {
+                let tok = tile * mr + i;
+                for j in 0..width {
+                    // SAFETY: each thread owns a distinct range of output columns.
+                    unsafe { a.y.write(tok * a.rows + p + j, acc[i * nr + j]) };
+                }
+            }
+        }
+        p += width;
+    }
+}
+
+/// Dequantizes rows p..p+width into `panel` as `[k][nr]` (missing rows stay zero).
+#[inline(always)]
+fn pack_panel<B: Block>(
+    a: &Args,
+    p: usize,
+    width: usize,
+    nr: usize,
+    row_buf: &mut [f32],
+    panel: &mut [f32],
+) {
+    let row_bytes = a.cols / B::N * B::BYTES;
+    if width < nr {
+        panel.fill(0.0);
+    }
+    for r in 0..width {
+        let row = &a.w[(p + r) * row_bytes..(p + r + 1) * row_bytes];
+        for (blk, out) in row
+            .chunks_exact(B::BYTES)
+            .zip(row_buf.chunks_exact_mut(B::N))
+        {
+            B::dequant(blk, out);
+        }
+        for (k, v) in row_buf.iter().enumerate() {
+            panel[k * nr + r] = *v;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+    use std::sync::Arc;
+
+    /// Against dequantize-then-matmul in candle, for every format, decode and prefill shapes.
+    #[test]
+    fn matches_dequantized_reference() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let (n, k) = (70, 512);
+        let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
+        for dt in [
+            GgmlDType::F32,
+            GgmlDType::F16,
+            GgmlDType::BF16,
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_0,
+            GgmlDType::Q5_1,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4K,
+            GgmlDType::Q6K,
+        ] {
+            let q = QTensor::quantize(&w, dt)?;
+            let wd = q.dequantize(&dev)?;
+            let mm = CpuMatmul::new(
+                Format::from_ggml(dt).unwrap(),
+                n,
+                k,
+                Arc::new(q.data()?.to_vec()),
+            )
+            .unwrap();
+            for t in [1, 3, 8, 13] {
+                let x = Tensor::randn(0f32, 1.0, (t, k), &dev)?;
+                let want: Vec<f32> = x.matmul(&wd.t()?)?.flatten_all()?.to_vec1()?;
+                let mut got = vec![0f32; t * n];
+                mm.forward(&x.flatten_all()?.to_vec1()?, t, &mut got);
+                let err = want
+                    .iter()
+                    .zip(&got)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(err < 2e-3, "{dt:?} t={t}: max error {err}");
+            }
+        }
+        Ok(())
+    }
+}

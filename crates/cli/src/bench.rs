@@ -1,0 +1,115 @@
+//! `ferrolm bench`: prefill tok/s on an N-token prompt and decode tok/s over M greedy tokens,
+//! median of R runs after a warm-up. The prompt is real text, tokenized and cut to length.
+
+use crate::bundle;
+use crate::{CliError, CliResult};
+use ferrolm_models::{CausalLm, SeqInput};
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Prompt length in tokens.
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Decoded tokens per run.
+    #[arg(long, default_value_t = 128)]
+    decode_tokens: usize,
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+const TEXT: &str = "The history of the printing press is the history of how ideas learned to travel. \
+Before movable type, every book was copied by hand, and a single manuscript could take a scribe many \
+months to finish. Gutenberg combined an adjustable mould for casting metal type with an oil-based ink \
+and a press adapted from those used to make wine. Within fifty years, printing shops had opened in more \
+than two hundred cities, and millions of volumes were in circulation. ";
+
+pub fn run(args: Args) -> CliResult<()> {
+    let load_start = Instant::now();
+    let b = bundle::load(args.model.as_deref(), &args.device)?;
+    let load_s = load_start.elapsed().as_secs_f64();
+    let prompt = bench_prompt(&b.tokenizer, args.prompt_tokens)?;
+    let model = b.model.as_ref();
+    let mut prefill = Vec::new();
+    let mut decode = Vec::new();
+    for run in 0..=args.runs {
+        let (p, d) = one_run(model, &prompt, args.decode_tokens).map_err(CliError::runtime)?;
+        if run > 0 {
+            prefill.push(p);
+            decode.push(d);
+        }
+    }
+    let (p, d) = (median(&mut prefill), median(&mut decode));
+    if args.json {
+        let obj = serde_json::json!({
+            "model": b.path.display().to_string(), "load_s": load_s,
+            "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens, "runs": args.runs,
+            "prefill_tps": p, "decode_tps": d, "prefill_runs": prefill, "decode_runs": decode,
+        });
+        println!("{obj}");
+    } else {
+        println!("model {} (load {load_s:.2} s)", b.path.display());
+        println!(
+            "prefill {p:.1} tok/s ({} tokens), decode {d:.1} tok/s ({} tokens), median of {}",
+            args.prompt_tokens, args.decode_tokens, args.runs
+        );
+    }
+    Ok(())
+}
+
+fn bench_prompt(tok: &ferrolm_text::Tokenizer, n: usize) -> CliResult<Vec<u32>> {
+    let mut ids = tok.encode("", true).map_err(CliError::runtime)?;
+    let body = tok.encode(TEXT, false).map_err(CliError::runtime)?;
+    while ids.len() < n {
+        ids.extend(&body);
+    }
+    ids.truncate(n);
+    Ok(ids)
+}
+
+/// One prefill of the prompt (chunked as the engine does, last token alone) and `n` greedy decode
+/// steps; returns (prefill tok/s, decode tok/s).
+fn one_run(model: &dyn CausalLm, prompt: &[u32], n: usize) -> candle_core::Result<(f64, f64)> {
+    let mut cache = model.make_cache();
+    let start = Instant::now();
+    let (body, tail) = prompt.split_at(prompt.len() - 1);
+    for chunk in body.chunks(2048) {
+        model.forward_hidden(&mut [SeqInput {
+            tokens: chunk,
+            cache: &mut cache,
+        }])?;
+    }
+    let mut token = next_token(model, &mut cache, tail)?;
+    let prefill_tps = prompt.len() as f64 / start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    for _ in 0..n {
+        token = next_token(model, &mut cache, &[token])?;
+    }
+    Ok((prefill_tps, n as f64 / start.elapsed().as_secs_f64()))
+}
+
+fn next_token(
+    model: &dyn CausalLm,
+    cache: &mut ferrolm_kv::SeqCache,
+    tokens: &[u32],
+) -> candle_core::Result<u32> {
+    let h = model.forward_hidden(&mut [SeqInput { tokens, cache }])?;
+    model
+        .project_logits(&h)?
+        .squeeze(0)?
+        .argmax(0)?
+        .to_scalar::<u32>()
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}

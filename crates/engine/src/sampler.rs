@@ -1,0 +1,27 @@
+use candle_core::Tensor;
+use ferrolm_core::{TokenId, TokenLogprobs};
+
+/// What the sampler picked for one step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    pub token: TokenId,
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// The engine's view of a sampler: logits `[vocab]` on the model's device and the token history
+/// (prompt ++ generated) in, one token out.
+pub trait TokenSampler {
+    fn sample(&mut self, logits: &Tensor, history: &[TokenId]) -> candle_core::Result<Sampled>;
+}
+
+/// The request sampler (mlx-lm semantics) plugs in directly.
+impl TokenSampler for ferrolm_sample::Sampler {
+    fn sample(&mut self, logits: &Tensor, history: &[TokenId]) -> candle_core::Result<Sampled> {
+        let s = ferrolm_sample::Sampler::sample(self, logits, history)
+            .map_err(candle_core::Error::wrap)?;
+        Ok(Sampled {
+            token: s.token,
+            logprobs: s.logprobs,
+        })
+    }
+}

@@ -1,0 +1,137 @@
+use crate::{KvCache, KvView};
+use candle_core::{DType, Device, Result, Tensor};
+
+/// Growth step in tokens, as mlx-lm's KVCache: capacity grows in slabs so appends are in place.
+const STEP: usize = 256;
+
+/// A growing cache holding every token: `[kv_heads, capacity, head_dim]` buffers.
+pub struct PlainCache {
+    k: Option<Tensor>,
+    v: Option<Tensor>,
+    offset: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    dtype: DType,
+    device: Device,
+}
+
+impl PlainCache {
+    pub fn new(kv_heads: usize, head_dim: usize, dtype: DType, device: &Device) -> Self {
+        Self {
+            k: None,
+            v: None,
+            offset: 0,
+            kv_heads,
+            head_dim,
+            dtype,
+            device: device.clone(),
+        }
+    }
+
+    fn capacity(&self) -> usize {
+        self.k.as_ref().map_or(0, |k| k.dims()[1])
+    }
+
+    /// Makes room for `extra` more tokens, copying the filled part into a larger buffer.
+    fn reserve(&mut self, extra: usize) -> Result<()> {
+        let needed = self.offset + extra;
+        if needed <= self.capacity() {
+            return Ok(());
+        }
+        let capacity = needed.div_ceil(STEP) * STEP;
+        let shape = (self.kv_heads, capacity, self.head_dim);
+        let k = Tensor::zeros(shape, self.dtype, &self.device)?;
+        let v = Tensor::zeros(shape, self.dtype, &self.device)?;
+        if let (Some(old_k), Some(old_v)) = (&self.k, &self.v) {
+            k.slice_set(&old_k.narrow(1, 0, self.offset)?.contiguous()?, 1, 0)?;
+            v.slice_set(&old_v.narrow(1, 0, self.offset)?.contiguous()?, 1, 0)?;
+        }
+        self.k = Some(k);
+        self.v = Some(v);
+        Ok(())
+    }
+
+    fn view(&self) -> Result<Option<KvView>> {
+        match (&self.k, &self.v) {
+            (Some(k), Some(v)) => Ok(Some(KvView {
+                k: k.narrow(1, 0, self.offset)?,
+                v: v.narrow(1, 0, self.offset)?,
+                key_start: 0,
+            })),
+            _ => Ok(None),
+        }
+    }
+}
+
+impl KvCache for PlainCache {
+    fn update_and_fetch(&mut self, k: &Tensor, v: &Tensor) -> Result<KvView> {
+        let new = k.dims()[1];
+        self.reserve(new)?;
+        let (bk, bv) = (self.k.as_ref().unwrap(), self.v.as_ref().unwrap());
+        bk.slice_set(&k.to_dtype(self.dtype)?.contiguous()?, 1, self.offset)?;
+        bv.slice_set(&v.to_dtype(self.dtype)?.contiguous()?, 1, self.offset)?;
+        self.offset += new;
+        Ok(self.view()?.expect("reserved above"))
+    }
+
+    fn offset(&self) -> usize {
+        self.offset
+    }
+
+    fn is_trimmable(&self) -> bool {
+        true
+    }
+
+    fn trim(&mut self, n: usize) -> usize {
+        let n = n.min(self.offset);
+        self.offset -= n;
+        n
+    }
+
+    fn signature(&self) -> String {
+        "kv:plain".into()
+    }
+
+    fn bytes_per_token(&self) -> usize {
+        2 * self.kv_heads * self.head_dim * self.dtype.size_in_bytes()
+    }
+
+    fn state(&self) -> Result<Option<KvView>> {
+        self.view()
+    }
+
+    fn load_state(&mut self, state: &KvView, offset: usize) -> Result<()> {
+        self.k = None;
+        self.v = None;
+        self.offset = 0;
+        self.update_and_fetch(&state.k, &state.v)?;
+        self.offset = offset;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn appends_grow_across_steps_and_trim_rewinds() -> Result<()> {
+        let dev = Device::Cpu;
+        let mut c = PlainCache::new(2, 4, DType::F32, &dev);
+        let a = Tensor::randn(0f32, 1.0, (2, 300, 4), &dev)?;
+        let b = Tensor::randn(0f32, 1.0, (2, 1, 4), &dev)?;
+        c.update_and_fetch(&a, &a)?;
+        let view = c.update_and_fetch(&b, &b)?;
+        assert_eq!(c.offset(), 301);
+        assert_eq!(view.k.dims(), &[2, 301, 4]);
+        let expect = Tensor::cat(&[&a, &b], 1)?;
+        let diff = (view.k - &expect)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0);
+        assert_eq!(c.trim(2), 2);
+        let view = c.update_and_fetch(&b, &b)?;
+        assert_eq!(view.k.dims(), &[2, 300, 4]);
+        let last = view.k.narrow(1, 299, 1)?;
+        assert_eq!((last - &b)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
+        Ok(())
+    }
+}

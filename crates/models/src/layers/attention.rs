@@ -1,0 +1,79 @@
+use super::Span;
+use candle_core::{Result, Tensor};
+use ferrolm_backend::attention::Positions;
+use ferrolm_backend::norm::RmsNorm;
+use ferrolm_backend::{attend, AttentionParams, Linear, Rope};
+use ferrolm_kv::KvCache;
+use std::sync::Arc;
+
+pub struct SelfAttentionConfig {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub params: AttentionParams,
+}
+
+/// Multi-head self-attention with grouped KV heads, RoPE, optional per-head q/k norms (Gemma 3).
+pub struct SelfAttention {
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    pub q_norm: Option<RmsNorm>,
+    pub k_norm: Option<RmsNorm>,
+    pub rope: Arc<Rope>,
+    pub cfg: SelfAttentionConfig,
+}
+
+impl SelfAttention {
+    /// x `[tokens, hidden]` holding every sequence's rows (`spans`); `caches[i]` is this layer's
+    /// cache of sequence i. Returns `[tokens, hidden]`.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        spans: &[Span],
+        caches: &mut [&mut dyn KvCache],
+    ) -> Result<Tensor> {
+        let c = &self.cfg;
+        let tokens = x.dims()[0];
+        let q = self.q.forward(x)?.reshape((tokens, c.heads, c.head_dim))?;
+        let k = self
+            .k
+            .forward(x)?
+            .reshape((tokens, c.kv_heads, c.head_dim))?;
+        let v = self
+            .v
+            .forward(x)?
+            .reshape((tokens, c.kv_heads, c.head_dim))?;
+        let (q, k) = match (&self.q_norm, &self.k_norm) {
+            (Some(qn), Some(kn)) => (qn.forward(&q)?, kn.forward(&k)?),
+            _ => (q, k),
+        };
+        let mut outs = Vec::with_capacity(spans.len());
+        for (span, cache) in spans.iter().zip(caches.iter_mut()) {
+            let rows = |t: &Tensor| t.narrow(0, span.row, span.len);
+            let qs = self.rope.apply(&rows(&q)?, span.position)?;
+            let ks = self.rope.apply(&rows(&k)?, span.position)?;
+            let vs = rows(&v)?;
+            let kv = cache.update_and_fetch(&ks.transpose(0, 1)?, &vs.transpose(0, 1)?)?;
+            let pos = Positions {
+                query_start: span.position,
+                key_start: kv.key_start,
+            };
+            outs.push(attend(&qs, &kv.k, &kv.v, pos, &c.params)?);
+        }
+        let attn = if outs.len() == 1 {
+            outs.pop().unwrap()
+        } else {
+            Tensor::cat(&outs, 0)?
+        };
+        self.o.forward(&attn)
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        self.q.weight_bytes()
+            + self.k.weight_bytes()
+            + self.v.weight_bytes()
+            + self.o.weight_bytes()
+    }
+}

@@ -1,0 +1,62 @@
+use candle_core::{Device, Result, Tensor};
+use ferrolm_backend::cpu::{formats::dequant_rows, Format};
+use ferrolm_backend::Weight;
+use std::sync::Arc;
+
+/// Token embeddings looked up from the (possibly quantized) table; only the rows needed are
+/// dequantized.
+pub struct Embedding {
+    table: Weight,
+    /// Device copy for non-CPU devices or formats without a CPU kernel.
+    device_table: Option<Arc<candle_core::quantized::QTensor>>,
+    /// Gemma multiplies embeddings by sqrt(hidden).
+    scale: Option<f64>,
+}
+
+impl Embedding {
+    pub fn new(table: Weight, scale: Option<f64>, device: &Device) -> Result<Self> {
+        let cpu_ok = device.is_cpu() && Format::from_ggml(table.dtype).is_some();
+        let device_table = if cpu_ok {
+            None
+        } else {
+            Some(Arc::new(table.qtensor(device)?))
+        };
+        Ok(Self {
+            table,
+            device_table,
+            scale,
+        })
+    }
+
+    /// ids → `[tokens, hidden]` f32.
+    pub fn forward(&self, ids: &[u32], device: &Device) -> Result<Tensor> {
+        let [rows, hidden] = self.table.dims[..] else {
+            candle_core::bail!("embedding table must be 2-D")
+        };
+        let x = match &self.device_table {
+            Some(q) => q.embedding(&Tensor::from_slice(ids, ids.len(), device)?)?,
+            None => {
+                let format = Format::from_ggml(self.table.dtype).expect("checked in new");
+                let mut out = vec![0f32; ids.len() * hidden];
+                for (i, &id) in ids.iter().enumerate() {
+                    if id as usize >= rows {
+                        candle_core::bail!("token id {id} is outside the vocabulary ({rows})")
+                    }
+                    let r = id as usize;
+                    dequant_rows(
+                        format,
+                        self.table.data.bytes(),
+                        hidden,
+                        r..r + 1,
+                        &mut out[i * hidden..(i + 1) * hidden],
+                    );
+                }
+                Tensor::from_vec(out, (ids.len(), hidden), device)?
+            }
+        };
+        match self.scale {
+            Some(s) => x * s,
+            None => Ok(x),
+        }
+    }
+}

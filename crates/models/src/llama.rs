@@ -1,0 +1,235 @@
+//! The llama architecture (SmolLM2, Llama 2/3, Mistral without windows): RMSNorm, grouped-query
+//! attention with RoPE, SwiGLU MLP, tied or untied output head. Qwen2 reuses it with QKV biases
+//! and half-split RoPE.
+
+use crate::layers::{self, Activation, Embedding, GatedMlp, SelfAttention, SelfAttentionConfig};
+use crate::loader::{gguf::GgufFile, WeightSource};
+use crate::{CausalLm, ModelInfo, SeqInput};
+use candle_core::{DType, Device, Result, Tensor};
+use ferrolm_backend::norm::RmsNorm;
+use ferrolm_backend::{AttentionParams, Linear, Rope, RopeStyle};
+use ferrolm_kv::{KvCache, PlainCache, SeqCache};
+use std::sync::Arc;
+
+/// Hyper-parameters, named as in Hugging Face `config.json`.
+#[derive(Clone, Debug)]
+pub struct LlamaConfig {
+    pub architecture: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub max_position_embeddings: usize,
+    pub rope_style: RopeStyle,
+}
+
+impl LlamaConfig {
+    /// Reads `<arch>.*` GGUF metadata. llama.cpp permutes llama Q/K rows for interleaved RoPE;
+    /// other architectures in this family (qwen2) keep half-split.
+    pub fn from_gguf(f: &GgufFile) -> crate::Result<Self> {
+        let arch = f.architecture()?;
+        let key = |k: &str| format!("{arch}.{k}");
+        let heads = f.u32(&key("attention.head_count"))? as usize;
+        let hidden = f.u32(&key("embedding_length"))? as usize;
+        let vocab = match f.metadata().get("tokenizer.ggml.tokens") {
+            Some(v) => v.to_vec().map(|v| v.len()).unwrap_or(0),
+            None => 0,
+        };
+        let vocab = f
+            .opt_u32(&key("vocab_size"))
+            .map(|v| v as usize)
+            .unwrap_or(vocab);
+        Ok(Self {
+            vocab_size: vocab,
+            hidden_size: hidden,
+            intermediate_size: f.u32(&key("feed_forward_length"))? as usize,
+            num_hidden_layers: f.u32(&key("block_count"))? as usize,
+            num_attention_heads: heads,
+            num_key_value_heads: f
+                .opt_u32(&key("attention.head_count_kv"))
+                .unwrap_or(heads as u32) as usize,
+            head_dim: f
+                .opt_u32(&key("attention.key_length"))
+                .map_or(hidden / heads, |v| v as usize),
+            rms_norm_eps: f
+                .opt_f32(&key("attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-5) as f64,
+            rope_theta: f.opt_f32(&key("rope.freq_base")).unwrap_or(10_000.0) as f64,
+            max_position_embeddings: f.opt_u32(&key("context_length")).unwrap_or(4096) as usize,
+            rope_style: if arch == "llama" {
+                RopeStyle::Interleaved
+            } else {
+                RopeStyle::HalfSplit
+            },
+            architecture: arch,
+        })
+    }
+}
+
+struct Layer {
+    attn_norm: RmsNorm,
+    attn: SelfAttention,
+    ffn_norm: RmsNorm,
+    mlp: GatedMlp,
+}
+
+pub struct Llama {
+    info: ModelInfo,
+    cfg: LlamaConfig,
+    embed: Embedding,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    device: Device,
+}
+
+impl Llama {
+    pub fn load(cfg: LlamaConfig, src: &dyn WeightSource, device: &Device) -> crate::Result<Self> {
+        let rope = Arc::new(Rope::new(
+            cfg.rope_style,
+            cfg.head_dim,
+            cfg.rope_theta,
+            cfg.max_position_embeddings,
+            None,
+            device,
+        )?);
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| load_layer(&cfg, src, device, i, &rope))
+            .collect::<crate::Result<Vec<_>>>()?;
+        let embed_w = src.weight("token_embd.weight")?;
+        let lm_head = match src.has("output.weight") {
+            true => Linear::new(&src.weight("output.weight")?, None, device)?,
+            false => Linear::new(&embed_w, None, device)?,
+        };
+        let weight_bytes = layers
+            .iter()
+            .map(|l| l.attn.weight_bytes() + l.mlp.weight_bytes())
+            .sum::<usize>()
+            + lm_head.weight_bytes();
+        let info = ModelInfo {
+            architecture: cfg.architecture.clone(),
+            vocab_size: cfg.vocab_size,
+            hidden_size: cfg.hidden_size,
+            num_layers: cfg.num_hidden_layers,
+            context_length: cfg.max_position_embeddings,
+            weight_bytes,
+        };
+        Ok(Self {
+            info,
+            embed: Embedding::new(embed_w, None, device)?,
+            norm: RmsNorm::new(
+                src.tensor("output_norm.weight", device)?,
+                cfg.rms_norm_eps as f32,
+            )?,
+            lm_head,
+            layers,
+            device: device.clone(),
+            cfg,
+        })
+    }
+}
+
+fn load_layer(
+    cfg: &LlamaConfig,
+    src: &dyn WeightSource,
+    dev: &Device,
+    i: usize,
+    rope: &Arc<Rope>,
+) -> crate::Result<Layer> {
+    let p = |n: &str| format!("blk.{i}.{n}");
+    let linear = |n: &str, bias: &str| -> crate::Result<Linear> {
+        Ok(Linear::new(
+            &src.weight(&p(n))?,
+            src.opt_tensor(&p(bias), dev)?,
+            dev,
+        )?)
+    };
+    let eps = cfg.rms_norm_eps as f32;
+    let attn = SelfAttention {
+        q: linear("attn_q.weight", "attn_q.bias")?,
+        k: linear("attn_k.weight", "attn_k.bias")?,
+        v: linear("attn_v.weight", "attn_v.bias")?,
+        o: linear("attn_output.weight", "attn_output.bias")?,
+        q_norm: None,
+        k_norm: None,
+        rope: rope.clone(),
+        cfg: SelfAttentionConfig {
+            heads: cfg.num_attention_heads,
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+            params: AttentionParams {
+                scale: (cfg.head_dim as f32).powf(-0.5),
+                window: None,
+                softcap: None,
+            },
+        },
+    };
+    let mlp = GatedMlp {
+        gate: linear("ffn_gate.weight", "ffn_gate.bias")?,
+        up: linear("ffn_up.weight", "ffn_up.bias")?,
+        down: linear("ffn_down.weight", "ffn_down.bias")?,
+        activation: Activation::Silu,
+    };
+    Ok(Layer {
+        attn_norm: RmsNorm::new(src.tensor(&p("attn_norm.weight"), dev)?, eps)?,
+        attn,
+        ffn_norm: RmsNorm::new(src.tensor(&p("ffn_norm.weight"), dev)?, eps)?,
+        mlp,
+    })
+}
+
+impl CausalLm for Llama {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn make_cache(&self) -> SeqCache {
+        let c = &self.cfg;
+        let layers = (0..c.num_hidden_layers)
+            .map(|_| {
+                Box::new(PlainCache::new(
+                    c.num_key_value_heads,
+                    c.head_dim,
+                    DType::F32,
+                    &self.device,
+                )) as Box<dyn KvCache>
+            })
+            .collect();
+        SeqCache::new(layers)
+    }
+
+    fn forward_hidden(&self, batch: &mut [SeqInput<'_>]) -> Result<Tensor> {
+        let spans = layers::spans(batch.iter().map(|s| (s.tokens.len(), s.cache.offset())));
+        let ids: Vec<u32> = batch
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
+        let mut x = self.embed.forward(&ids, &self.device)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let mut caches: Vec<&mut dyn KvCache> =
+                batch.iter_mut().map(|s| s.cache.layer(i)).collect();
+            let h = layer
+                .attn
+                .forward(&layer.attn_norm.forward(&x)?, &spans, &mut caches)?;
+            x = (x + h)?;
+            let h = layer.mlp.forward(&layer.ffn_norm.forward(&x)?)?;
+            x = (x + h)?;
+        }
+        let last: Vec<u32> = spans.iter().map(|s| (s.row + s.len - 1) as u32).collect();
+        let last = Tensor::from_slice(&last, last.len(), &self.device)?;
+        self.norm.forward(&x.index_select(&last, 0)?)
+    }
+
+    fn project_logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.lm_head.forward(hidden)?.to_dtype(DType::F32)
+    }
+}

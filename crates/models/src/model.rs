@@ -1,0 +1,38 @@
+use candle_core::{Device, Tensor};
+use ferrolm_kv::SeqCache;
+
+/// Facts about a loaded model that the engine and server need.
+#[derive(Clone, Debug)]
+pub struct ModelInfo {
+    /// The architecture name as the checkpoint spells it (`llama`, `qwen2`, `gemma3`…).
+    pub architecture: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    /// The longest sequence the model was trained for.
+    pub context_length: usize,
+    /// Bytes of weights read per decoded token (the decode roofline's numerator).
+    pub weight_bytes: usize,
+}
+
+/// The new tokens of one sequence in a forward, with the caches they extend.
+/// Their positions continue from `cache.offset()`.
+pub struct SeqInput<'a> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut SeqCache,
+}
+
+/// A causal language model bound to a device: the backend seam of DESIGN §6.
+/// Forwards take a batch of sequences; one sequence is the common case.
+pub trait CausalLm: Send + Sync {
+    fn info(&self) -> &ModelInfo;
+    fn device(&self) -> &Device;
+    /// Fresh, empty caches for one sequence.
+    fn make_cache(&self) -> SeqCache;
+    /// Runs the new tokens of every sequence through the model, writing their keys and values
+    /// into the caches, and returns the final hidden state of each sequence's last token,
+    /// `[batch, hidden]`. The whole prompt is never projected to logits.
+    fn forward_hidden(&self, batch: &mut [SeqInput<'_>]) -> candle_core::Result<Tensor>;
+    /// Final norm already applied: hidden `[batch, hidden]` → logits `[batch, vocab]` (f32).
+    fn project_logits(&self, hidden: &Tensor) -> candle_core::Result<Tensor>;
+}

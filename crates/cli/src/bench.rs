@@ -1,8 +1,8 @@
 //! `ferrolm bench`: prefill tok/s on an N-token prompt and decode tok/s over M greedy tokens,
 //! median of R runs after a warm-up. The prompt is real text, tokenized and cut to length.
 
-use crate::bundle;
 use crate::{CliError, CliResult};
+use ferrolm_engine::bundle;
 use ferrolm_models::{CausalLm, SeqInput};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -34,7 +34,7 @@ than two hundred cities, and millions of volumes were in circulation. ";
 
 pub fn run(args: Args) -> CliResult<()> {
     let load_start = Instant::now();
-    let b = bundle::load(args.model.as_deref(), &args.device)?;
+    let b = bundle::load(args.model.as_deref(), &args.device).map_err(CliError::usage)?;
     let load_s = load_start.elapsed().as_secs_f64();
     let prompt = bench_prompt(&b.tokenizer, args.prompt_tokens)?;
     let model = b.model.as_ref();

@@ -1,11 +1,10 @@
 //! `ferrolm generate`: one prompt, text streamed to stdout, stats to stderr (or one JSON object).
 
-use crate::bundle::{self, Bundle};
 use crate::{CliError, CliResult};
 use ferrolm_core::{
     CancelToken, GenerateParams, GenerationStats, SamplingParams, TokenEvent, TokenLogprobs,
 };
-use ferrolm_engine::{generate, Flow, GenerateInput};
+use ferrolm_engine::{bundle, generate, Bundle, Flow, GenerateInput};
 use ferrolm_sample::{Sampler, SamplerConfig};
 use ferrolm_text::IncrementalDecoder;
 use serde_json::json;
@@ -91,12 +90,14 @@ impl Args {
 
 pub fn run(args: Args) -> CliResult<()> {
     let text = args.prompt_text()?;
-    let bundle = bundle::load(args.model.as_deref(), &args.device)?;
+    let bundle = bundle::load(args.model.as_deref(), &args.device).map_err(CliError::usage)?;
     let messages = (!args.raw).then(|| args.messages(&text));
-    let prompt = bundle.prompt_ids(messages.as_ref(), &text)?;
+    let prompt = bundle
+        .prompt_ids(messages.as_ref(), &text)
+        .map_err(CliError::usage)?;
     let cfg = SamplerConfig {
         vocab_size: bundle.model.info().vocab_size,
-        xtc_special_tokens: xtc_special_tokens(&bundle),
+        xtc_special_tokens: bundle.xtc_special_tokens(),
         ..Default::default()
     };
     let mut sampler = Sampler::new(&args.sampling(), &cfg).map_err(CliError::usage)?;
@@ -126,13 +127,6 @@ pub fn run(args: Args) -> CliResult<()> {
     .map_err(CliError::runtime)?;
     out.finish(&prompt, &stats);
     Ok(())
-}
-
-/// Ids XTC never removes: "\n" and the EOS ids, as mlx_lm.server passes them.
-pub fn xtc_special_tokens(bundle: &Bundle) -> Vec<u32> {
-    let mut ids = bundle.tokenizer.encode("\n", false).unwrap_or_default();
-    ids.extend(&bundle.eos_ids);
-    ids
 }
 
 /// Streams text to stdout, or collects everything for one JSON object.

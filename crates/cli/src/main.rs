@@ -1,7 +1,6 @@
 //! `ferrolm`: serve, generate and benchmark LLMs on CPUs and NVIDIA GPUs.
 
 mod bench;
-mod bundle;
 mod generate;
 
 use clap::{Parser, Subcommand};

@@ -1,0 +1,103 @@
+//! A model ready to serve: weights on a device, tokenizer, chat template and EOS ids.
+
+use ferrolm_backend::parse_device;
+use ferrolm_models::{paths, CausalLm, ModelSource};
+use ferrolm_text::{ChatTemplate, RenderOptions, Tokenizer, TokenizerSpec};
+use std::path::{Path, PathBuf};
+
+/// Why a model could not be loaded; the message names the file and the problem.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct BundleError(pub String);
+
+pub struct Bundle {
+    pub path: PathBuf,
+    /// Name under which the model is served (the file name without extension).
+    pub name: String,
+    pub model: Box<dyn CausalLm>,
+    pub tokenizer: Tokenizer,
+    pub template: Option<ChatTemplate>,
+    pub eos_ids: Vec<u32>,
+}
+
+/// Loads `path` (or the default model) on `device` (`auto`, `cpu`, `cuda[:N]`).
+pub fn load(path: Option<&Path>, device: &str) -> Result<Bundle, BundleError> {
+    let path = path
+        .map(Path::to_path_buf)
+        .unwrap_or_else(paths::default_model_path);
+    let source = ModelSource::open(&path).map_err(|e| match path.exists() {
+        false if path == paths::default_model_path() => BundleError(format!(
+            "{e} (the default model is fetched by `python3 scripts/get_model.py`)"
+        )),
+        _ => BundleError(e.to_string()),
+    })?;
+    let device = parse_device(device).map_err(|e| BundleError(e.to_string()))?;
+    let tokenizer = match &source {
+        ModelSource::Gguf(f) => {
+            TokenizerSpec::from_gguf_metadata(f.metadata()).and_then(|s| Tokenizer::from_spec(&s))
+        }
+    }
+    .map_err(|e| BundleError(format!("{}: tokenizer: {e}", path.display())))?;
+    let model = ferrolm_models::load(&source, &device).map_err(|e| BundleError(e.to_string()))?;
+    let template = ChatTemplate::from_tokenizer(&tokenizer).ok();
+    let eos_ids = tokenizer.eos_ids().to_vec();
+    let name = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    Ok(Bundle {
+        path,
+        name,
+        model,
+        tokenizer,
+        template,
+        eos_ids,
+    })
+}
+
+impl Bundle {
+    /// Renders a chat through the model's template.
+    pub fn render_chat(
+        &self,
+        messages: &serde_json::Value,
+        opts: &RenderOptions,
+    ) -> Result<String, BundleError> {
+        let template = self.template.as_ref().ok_or_else(|| {
+            BundleError(format!(
+                "{}: the model has no chat template",
+                self.path.display()
+            ))
+        })?;
+        template
+            .render(messages, opts)
+            .map_err(|e| BundleError(e.to_string()))
+    }
+
+    /// Token ids of a chat rendered through the model's template, or of raw text with the
+    /// model's BOS rule. Templates write their own BOS, so chat text adds no special tokens.
+    pub fn prompt_ids(
+        &self,
+        messages: Option<&serde_json::Value>,
+        raw: &str,
+    ) -> Result<Vec<u32>, BundleError> {
+        let ids = match messages {
+            Some(messages) => {
+                let opts = RenderOptions {
+                    add_generation_prompt: true,
+                    ..Default::default()
+                };
+                let text = self.render_chat(messages, &opts)?;
+                self.tokenizer.encode(&text, false)
+            }
+            None => self.tokenizer.encode(raw, true),
+        };
+        ids.map_err(|e| BundleError(e.to_string()))
+    }
+
+    /// Ids XTC never removes: "\n" and the EOS ids, as mlx_lm.server passes them.
+    pub fn xtc_special_tokens(&self) -> Vec<u32> {
+        let mut ids = self.tokenizer.encode("\n", false).unwrap_or_default();
+        ids.extend(&self.eos_ids);
+        ids
+    }
+}

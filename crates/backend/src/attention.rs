@@ -3,7 +3,9 @@
 //! materializes a mask or a score matrix; other devices use a composition of candle ops.
 
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
-use rayon::prelude::*;
+use crate::cpu::math;
+use crate::cpu::simd::{level, multiversion_plain, MulAdd};
+use crate::cpu::threads::{parallel_ranges, SharedOut};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionParams {
@@ -25,13 +27,7 @@ pub struct Positions {
 }
 
 /// q `[T, Hq, D]`, k and v `[Hkv, S, D]` → `[T, Hq·D]`.
-pub fn attend(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    pos: Positions,
-    p: &AttentionParams,
-) -> candle_core::Result<Tensor> {
+pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, pos: Positions, p: &AttentionParams) -> candle_core::Result<Tensor> {
     let (_, hq, _) = q.dims3()?;
     let (hkv, _, _) = k.dims3()?;
     if hq % hkv != 0 {
@@ -41,6 +37,9 @@ pub fn attend(
     if matches!(q.device(), Device::Cpu) && all_f32 {
         let q = q.contiguous()?;
         return q.apply_op3_no_bwd(k, v, &AttendCpu { pos, params: *p });
+    }
+    if !matches!(q.device(), Device::Cpu) {
+        return crate::attention_device::attend(q, k, v, pos, p);
     }
     attend_generic(q, k, v, pos, p)
 }
@@ -57,10 +56,7 @@ pub fn attend_generic(
     let (hkv, s, _) = k.dims3()?;
     let group = hq / hkv;
     let dtype = q.dtype();
-    let q = q
-        .transpose(0, 1)?
-        .contiguous()?
-        .reshape((hkv, group * t, d))?;
+    let q = q.transpose(0, 1)?.contiguous()?.reshape((hkv, group * t, d))?;
     let mut scores = (q.matmul(&k.contiguous()?.t()?)?.to_dtype(DType::F32)? * p.scale as f64)?;
     if let Some(cap) = p.softcap {
         scores = ((scores / cap as f64)?.tanh()? * cap as f64)?;
@@ -69,20 +65,14 @@ pub fn attend_generic(
     let mask = Tensor::from_vec(mask, (group * t, s), q.device())?;
     let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
     let out = probs.to_dtype(dtype)?.matmul(&v.contiguous()?)?; // [hkv, group*t, d]
-    out.reshape((hq, t, d))?
-        .transpose(0, 1)?
-        .contiguous()?
-        .reshape((t, hq * d))
+    out.reshape((hq, t, d))?.transpose(0, 1)?.contiguous()?.reshape((t, hq * d))
 }
 
 /// Range of key indices visible to the query at absolute position `qpos`.
 fn visible_keys(qpos: usize, s: usize, pos: Positions, window: Option<usize>) -> (usize, usize) {
     let hi = (qpos + 1).saturating_sub(pos.key_start).min(s);
     let lo = match window {
-        Some(w) => (qpos + 1)
-            .saturating_sub(w)
-            .saturating_sub(pos.key_start)
-            .min(hi),
+        Some(w) => (qpos + 1).saturating_sub(w).saturating_sub(pos.key_start).min(hi),
         None => 0,
     };
     (lo, hi)
@@ -115,18 +105,12 @@ struct KvView<'a> {
 
 impl<'a> KvView<'a> {
     fn new(storage: &'a CpuStorage, layout: &Layout) -> candle_core::Result<Self> {
-        let CpuStorage::F32(data) = storage else {
-            candle_core::bail!("attention: expected f32 kv")
-        };
+        let CpuStorage::F32(data) = storage else { candle_core::bail!("attention: expected f32 kv") };
         let stride = layout.stride();
         if stride[2] != 1 {
             candle_core::bail!("attention: kv head_dim must be contiguous")
         }
-        Ok(Self {
-            data: &data[layout.start_offset()..],
-            head_stride: stride[0],
-            token_stride: stride[1],
-        })
+        Ok(Self { data: &data[layout.start_offset()..], head_stride: stride[0], token_stride: stride[1] })
     }
 
     fn row(&self, head: usize, token: usize, d: usize) -> &[f32] {
@@ -149,87 +133,98 @@ impl CustomOp3 for AttendCpu {
         vs: &CpuStorage,
         vl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let CpuStorage::F32(q) = qs else {
-            candle_core::bail!("attention: expected f32 q")
-        };
+        let CpuStorage::F32(q) = qs else { candle_core::bail!("attention: expected f32 q") };
         let (t, hq, d) = ql.shape().dims3()?;
         let (hkv, s, _) = kl.shape().dims3()?;
         let q = &q[ql.start_offset()..ql.start_offset() + t * hq * d];
-        let (k, v) = (KvView::new(ks, kl)?, KvView::new(vs, vl)?);
-        let group = hq / hkv;
+        let job = Job { q, k: KvView::new(ks, kl)?, v: KvView::new(vs, vl)?, hq, group: hq / hkv, s, d, op: self };
         let mut out = vec![0f32; t * hq * d];
-        let work = |(row, o): (usize, &mut [f32])| {
-            let (i, h) = (row / hq, row % hq);
-            let (lo, hi) = visible_keys(self.pos.query_start + i, s, self.pos, self.params.window);
-            let qrow = &q[row * d..(row + 1) * d];
-            attend_one(qrow, &k, &v, h / group, lo..hi, &self.params, o);
-        };
-        if t * hq * s * d > 1 << 16 {
-            out.par_chunks_mut(d).enumerate().for_each(work);
-        } else {
-            out.chunks_mut(d).enumerate().for_each(work);
-        }
+        let shared = SharedOut::new(&mut out);
+        let worth = t * hq * s * d > 1 << 14;
+        parallel_ranges(t * hq, 1, worth, |rows| {
+            SCORES.with(|sc| {
+                let mut sc = sc.borrow_mut();
+                sc.resize(s, 0.0);
+                attend_rows(level(), &job, rows, &mut sc, shared)
+            })
+        });
         Ok((CpuStorage::F32(out), Shape::from((t, hq * d))))
     }
 }
 
-/// One query row against keys `range` of one kv head, with an online softmax.
-fn attend_one(
-    q: &[f32],
-    k: &KvView,
-    v: &KvView,
-    head: usize,
-    range: std::ops::Range<usize>,
-    p: &AttentionParams,
-    out: &mut [f32],
-) {
-    let d = q.len();
-    let mut max = f32::NEG_INFINITY;
-    let mut denom = 0f32;
-    out.fill(0.0);
-    for j in range {
-        let mut score = dot(q, k.row(head, j, d)) * p.scale;
-        if let Some(cap) = p.softcap {
-            score = (score / cap).tanh() * cap;
+thread_local! {
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Everything one attention call's rows need.
+struct Job<'a> {
+    q: &'a [f32],
+    k: KvView<'a>,
+    v: KvView<'a>,
+    hq: usize,
+    group: usize,
+    s: usize,
+    d: usize,
+    op: &'a AttendCpu,
+}
+
+multiversion_plain!(fn attend_rows(job: &Job, rows: std::ops::Range<usize>, scores: &mut [f32], out: SharedOut) => attend_rows_impl);
+
+/// Query rows `rows` (each a (token, head) pair): scores, softmax, weighted sum of values.
+#[inline(always)]
+fn attend_rows_impl<F: MulAdd>(job: &Job, rows: std::ops::Range<usize>, scores: &mut [f32], out: SharedOut) {
+    let (d, p) = (job.d, &job.op.params);
+    let mut acc = vec![0f32; d];
+    for row in rows {
+        let (i, h) = (row / job.hq, row % job.hq);
+        let head = h / job.group;
+        let (lo, hi) = visible_keys(job.op.pos.query_start + i, job.s, job.op.pos, p.window);
+        let q = &job.q[row * d..(row + 1) * d];
+        let mut max = f32::NEG_INFINITY;
+        for j in lo..hi {
+            let mut x = dot::<F>(q, job.k.row(head, j, d)) * p.scale;
+            if let Some(cap) = p.softcap {
+                x = (x / cap).tanh() * cap;
+            }
+            scores[j] = x;
+            max = max.max(x);
         }
-        if score > max {
-            let correction = (max - score).exp();
-            denom *= correction;
-            out.iter_mut().for_each(|o| *o *= correction);
-            max = score;
+        let mut sum = 0f32;
+        for x in &mut scores[lo..hi] {
+            *x = math::exp(*x - max);
+            sum += *x;
         }
-        let w = (score - max).exp();
-        denom += w;
-        axpy(w, v.row(head, j, d), out);
-    }
-    if denom > 0.0 {
-        let inv = 1.0 / denom;
-        out.iter_mut().for_each(|o| *o *= inv);
+        acc.fill(0.0);
+        for j in lo..hi {
+            let w = scores[j];
+            for (a, v) in acc.iter_mut().zip(job.v.row(head, j, d)) {
+                *a = F::mul_add(w, *v, *a);
+            }
+        }
+        let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+        for (c, a) in acc.iter().enumerate() {
+            // SAFETY: each thread owns distinct rows of the output.
+            unsafe { out.write(row * d + c, a * inv) };
+        }
     }
 }
 
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent accumulators let the compiler vectorize without reassociation limits.
-    let mut acc = [0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
-        for l in 0..8 {
-            acc[l] += a[c * 8 + l] * b[c * 8 + l];
+#[inline(always)]
+fn dot<F: MulAdd>(a: &[f32], b: &[f32]) -> f32 {
+    // Sixteen independent accumulators: one vector register, no reassociation needed.
+    let mut acc = [0f32; 16];
+    let (ac, bc) = (a.chunks_exact(16), b.chunks_exact(16));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    for (x, y) in ac.zip(bc) {
+        for l in 0..16 {
+            acc[l] = F::mul_add(x[l], y[l], acc[l]);
         }
     }
     let mut sum: f32 = acc.iter().sum();
-    for i in chunks * 8..a.len() {
-        sum += a[i] * b[i];
+    for (x, y) in ar.iter().zip(br) {
+        sum += x * y;
     }
     sum
-}
-
-#[inline]
-fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
-    for (yi, xi) in y.iter_mut().zip(x) {
-        *yi += w * xi;
-    }
 }
 
 #[cfg(test)]
@@ -244,11 +239,7 @@ mod tests {
         let kbuf = Tensor::randn(0f32, 1.0, (hkv, s + 5, d), &dev).unwrap();
         let vbuf = Tensor::randn(0f32, 1.0, (hkv, s + 5, d), &dev).unwrap();
         let (k, v) = (kbuf.narrow(1, 0, s).unwrap(), vbuf.narrow(1, 0, s).unwrap());
-        let p = AttentionParams {
-            scale: 0.25,
-            window,
-            softcap: None,
-        };
+        let p = AttentionParams { scale: 0.25, window, softcap: None };
         let fused = attend(&q, &k, &v, pos, &p).unwrap();
         let generic = attend_generic(&q, &k, &v, pos, &p).unwrap();
         let diff = (fused - generic).unwrap().abs().unwrap().max_all().unwrap();
@@ -257,49 +248,9 @@ mod tests {
 
     #[test]
     fn fused_equals_generic_for_prefill_decode_gqa_and_window() {
-        check(
-            7,
-            6,
-            2,
-            7,
-            Positions {
-                query_start: 0,
-                key_start: 0,
-            },
-            None,
-        );
-        check(
-            1,
-            9,
-            3,
-            20,
-            Positions {
-                query_start: 19,
-                key_start: 0,
-            },
-            None,
-        );
-        check(
-            4,
-            4,
-            1,
-            30,
-            Positions {
-                query_start: 26,
-                key_start: 0,
-            },
-            Some(8),
-        );
-        check(
-            3,
-            4,
-            4,
-            10,
-            Positions {
-                query_start: 40,
-                key_start: 33,
-            },
-            Some(6),
-        );
+        check(7, 6, 2, 7, Positions { query_start: 0, key_start: 0 }, None);
+        check(1, 9, 3, 20, Positions { query_start: 19, key_start: 0 }, None);
+        check(4, 4, 1, 30, Positions { query_start: 26, key_start: 0 }, Some(8));
+        check(3, 4, 4, 10, Positions { query_start: 40, key_start: 33 }, Some(6));
     }
 }

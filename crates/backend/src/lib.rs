@@ -2,16 +2,21 @@
 //! RoPE styles, attention dispatch and custom kernels. Knows nothing of models or requests.
 
 pub mod attention;
+pub mod attention_device;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod device;
+pub mod graph;
 pub mod linear;
 pub mod norm;
+pub mod ops;
 pub mod rope;
 
 pub use attention::{attend, AttentionParams};
 pub use candle_core::{DType, Device, Tensor};
 pub use cpu::matmul::WeightBytes;
-pub use device::parse_device;
+pub use device::{activation_dtype, parse_device};
 pub use linear::{Linear, Weight};
 pub use rope::{Rope, RopeStyle};
 

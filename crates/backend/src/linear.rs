@@ -1,6 +1,6 @@
 use crate::cpu::{matmul::WeightBytes, CpuMatmul, Format};
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QMatMul, QTensor};
-use candle_core::{CpuStorage, CustomOp1, Device, Layout, Module, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Module, Shape, Tensor};
 use std::sync::Arc;
 
 /// A weight matrix `[out, in]` exactly as the checkpoint stores it (GGML blocks or dense),
@@ -25,32 +25,45 @@ impl Weight {
 
     /// Dequantized to f32 on `device`.
     pub fn dequantize(&self, device: &Device) -> candle_core::Result<Tensor> {
-        self.qtensor(&Device::Cpu)?
-            .dequantize(&Device::Cpu)?
-            .to_device(device)
+        self.qtensor(&Device::Cpu)?.dequantize(&Device::Cpu)?.to_device(device)
     }
 
-    fn cpu_matmul(&self) -> Option<CpuMatmul> {
-        let [rows, cols] = self.dims[..] else {
-            return None;
-        };
-        CpuMatmul::new(
-            Format::from_ggml(self.dtype)?,
-            rows,
-            cols,
-            self.data.clone(),
-        )
+    fn rows_cols(&self) -> Option<(usize, usize)> {
+        match self.dims[..] {
+            [rows, cols] => Some((rows, cols)),
+            _ => None,
+        }
     }
+}
+
+/// One CPU kernel for weights stacked along the output, when they share format and width.
+fn cpu_stack(weights: &[&Weight]) -> Option<CpuMatmul> {
+    let format = Format::from_ggml(weights[0].dtype)?;
+    let (_, cols) = weights[0].rows_cols()?;
+    let mut parts = Vec::new();
+    for w in weights {
+        let (rows, c) = w.rows_cols()?;
+        if w.dtype != weights[0].dtype || c != cols {
+            return None;
+        }
+        parts.push((w.data.clone(), rows));
+    }
+    CpuMatmul::stacked(format, cols, parts)
 }
 
 enum Kernel {
-    /// ferrolm's CPU kernels over the mapped blocks.
+    /// ferrolm's CPU kernels over the mapped blocks (all stacked weights in one region).
     Cpu(Arc<CpuMatmul>),
-    /// candle's quantized or dense matmul (CUDA, or formats without a CPU kernel).
-    Candle(QMatMul),
+    /// candle's quantized or dense matmul (CUDA, or formats without a CPU kernel), one per
+    /// stacked weight; outputs are concatenated.
+    Candle(Vec<QMatMul>),
+    /// Dense weights on a non-CPU device, converted once to the activation dtype and stacked
+    /// `[out, in]`: one product (cuBLAS, or ferrolm's matrix-vector kernel for one row).
+    Dense(Tensor),
 }
 
-/// y = x Wᵀ (+ b) over the last dimension of x.
+/// y = x Wᵀ (+ b) over the last dimension of x. Several weights may be stacked along the
+/// output (Q|K|V, gate|up) so they run as one product; `forward` returns them side by side.
 pub struct Linear {
     kernel: Kernel,
     bias: Option<Tensor>,
@@ -59,22 +72,37 @@ pub struct Linear {
 }
 
 impl Linear {
-    pub fn new(
-        weight: &Weight,
-        bias: Option<Tensor>,
-        device: &Device,
-    ) -> candle_core::Result<Self> {
-        let out_features = weight.dims[0];
-        let kernel = match (device, weight.cpu_matmul()) {
+    pub fn new(weight: &Weight, bias: Option<Tensor>, device: &Device) -> candle_core::Result<Self> {
+        Self::stacked(&[weight], &[bias], device)
+    }
+
+    /// Weights stacked along the output; `biases[i]` belongs to `weights[i]` (a missing bias of
+    /// a stack where others have one counts as zeros).
+    pub fn stacked(weights: &[&Weight], biases: &[Option<Tensor>], device: &Device) -> candle_core::Result<Self> {
+        let out_features = weights.iter().map(|w| w.dims[0]).sum();
+        let bytes = weights.iter().map(|w| w.bytes()).sum();
+        let kernel = match (device, cpu_stack(weights)) {
             (Device::Cpu, Some(mm)) => Kernel::Cpu(Arc::new(mm)),
-            _ => Kernel::Candle(QMatMul::from_arc(Arc::new(weight.qtensor(device)?))?),
+            (Device::Cpu, None) => Kernel::Candle(
+                weights
+                    .iter()
+                    .map(|w| QMatMul::from_arc(Arc::new(w.qtensor(device)?)))
+                    .collect::<candle_core::Result<_>>()?,
+            ),
+            _ if weights.iter().all(|w| is_dense(w.dtype)) => Kernel::Dense(dense_stack(weights, device)?),
+            _ => Kernel::Candle(
+                weights
+                    .iter()
+                    .map(|w| QMatMul::from_arc(Arc::new(w.qtensor(device)?)))
+                    .collect::<candle_core::Result<_>>()?,
+            ),
         };
-        Ok(Self {
-            kernel,
-            bias,
-            out_features,
-            bytes: weight.bytes(),
-        })
+        let mut bias = stack_biases(weights, biases, device)?;
+        if !matches!(device, Device::Cpu) {
+            let dtype = crate::device::activation_dtype(device);
+            bias = bias.map(|b| b.to_dtype(dtype)).transpose()?;
+        }
+        Ok(Self { kernel, bias, out_features, bytes })
     }
 
     pub fn out_features(&self) -> usize {
@@ -89,13 +117,93 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = match &self.kernel {
             Kernel::Cpu(mm) => x.contiguous()?.apply_op1_no_bwd(&CpuLinearOp(mm))?,
-            Kernel::Candle(mm) => mm.forward(x)?,
+            Kernel::Dense(w) => dense_forward(x, w)?,
+            Kernel::Candle(mms) if !matches!(x.device(), Device::Cpu) => device_forward(mms, x)?,
+            Kernel::Candle(mms) if mms.len() == 1 => mms[0].forward(x)?,
+            Kernel::Candle(mms) => {
+                let ys = mms.iter().map(|m| m.forward(x)).collect::<candle_core::Result<Vec<_>>>()?;
+                Tensor::cat(&ys, candle_core::D::Minus1)?
+            }
         };
         match &self.bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
         }
     }
+}
+
+fn is_dense(dtype: GgmlDType) -> bool {
+    matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
+}
+
+/// Dense weights `[rows, cols]` stacked along the rows on `device`, in the activation dtype.
+fn dense_stack(weights: &[&Weight], device: &Device) -> candle_core::Result<Tensor> {
+    let act = crate::device::activation_dtype(device);
+    let parts = weights
+        .iter()
+        .map(|w| {
+            let dtype = match w.dtype {
+                GgmlDType::F32 => DType::F32,
+                GgmlDType::F16 => DType::F16,
+                _ => DType::BF16,
+            };
+            Tensor::from_raw_buffer(w.data.bytes(), dtype, &w.dims, device)?.to_dtype(act)
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    match parts.len() {
+        1 => Ok(parts.into_iter().next().unwrap()),
+        _ => Tensor::cat(&parts, 0),
+    }
+}
+
+/// x `[.., in]` · wᵀ on a non-CPU device; one row goes through the matrix-vector kernel.
+fn dense_forward(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let x = x.to_dtype(w.dtype())?.contiguous()?;
+    let (out, inp) = w.dims2()?;
+    #[cfg(feature = "cuda")]
+    if x.elem_count() == inp {
+        if let Some(y) = crate::cuda::ops::gemv(&x, w)? {
+            return Ok(y);
+        }
+    }
+    let mut dims = x.dims().to_vec();
+    let rows = x.elem_count() / inp.max(1);
+    *dims.last_mut().unwrap() = out;
+    x.reshape((rows, inp))?.matmul(&w.t()?)?.reshape(dims)
+}
+
+/// candle's quantized matmul on a non-CPU device: activations go in as they are where candle's
+/// kernels take them (bf16 on CUDA), else as f32; the output keeps the input's dtype.
+fn device_forward(mms: &[QMatMul], x: &Tensor) -> candle_core::Result<Tensor> {
+    let one = |m: &QMatMul| match m.forward(x) {
+        Ok(y) => y.to_dtype(x.dtype()),
+        Err(_) if x.dtype() != DType::F32 => m.forward(&x.to_dtype(DType::F32)?)?.to_dtype(x.dtype()),
+        Err(e) => Err(e),
+    };
+    let ys = mms.iter().map(one).collect::<candle_core::Result<Vec<_>>>()?;
+    match ys.len() {
+        1 => Ok(ys.into_iter().next().unwrap()),
+        _ => Tensor::cat(&ys, candle_core::D::Minus1),
+    }
+}
+
+fn stack_biases(
+    weights: &[&Weight],
+    biases: &[Option<Tensor>],
+    device: &Device,
+) -> candle_core::Result<Option<Tensor>> {
+    if biases.iter().all(Option::is_none) {
+        return Ok(None);
+    }
+    let parts = weights
+        .iter()
+        .zip(biases)
+        .map(|(w, b)| match b {
+            Some(b) => b.to_device(device),
+            None => Tensor::zeros(w.dims[0], candle_core::DType::F32, device),
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Tensor::cat(&parts, 0).map(Some)
 }
 
 struct CpuLinearOp<'a>(&'a CpuMatmul);
@@ -105,21 +213,12 @@ impl CustomOp1 for CpuLinearOp<'_> {
         "cpu-linear"
     }
 
-    fn cpu_fwd(
-        &self,
-        storage: &CpuStorage,
-        layout: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let CpuStorage::F32(data) = storage else {
-            candle_core::bail!("cpu-linear: expected f32 input")
-        };
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let CpuStorage::F32(data) = storage else { candle_core::bail!("cpu-linear: expected f32 input") };
         let dims = layout.shape().dims();
         let k = *dims.last().unwrap_or(&0);
         if k != self.0.cols() {
-            candle_core::bail!(
-                "cpu-linear: input has {k} features, weight expects {}",
-                self.0.cols()
-            )
+            candle_core::bail!("cpu-linear: input has {k} features, weight expects {}", self.0.cols())
         }
         let t = layout.shape().elem_count() / k.max(1);
         let x = &data[layout.start_offset()..layout.start_offset() + t * k];

@@ -1,4 +1,4 @@
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 /// RMSNorm over the last dimension: x / sqrt(mean(x²) + eps) * weight.
 #[derive(Clone, Debug)]
@@ -9,13 +9,36 @@ pub struct RmsNorm {
 
 impl RmsNorm {
     pub fn new(weight: Tensor, eps: f32) -> candle_core::Result<Self> {
-        Ok(Self {
-            weight: weight.to_dtype(DType::F32)?,
-            eps,
-        })
+        Ok(Self { weight: weight.to_dtype(DType::F32)?, eps })
     }
 
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if !matches!(x.device(), Device::Cpu) {
+            return self.forward_device(x);
+        }
         candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps)
+    }
+
+    /// The residual add and this norm: returns `(x + h, norm(x + h))`. One fused pass on CUDA;
+    /// elsewhere exactly the two separate operations.
+    pub fn forward_residual(&self, x: &Tensor, h: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
+        if let Some(pair) = crate::cuda::ops::add_rms_norm(&x.contiguous()?, &h.contiguous()?, &self.weight, self.eps)? {
+            return Ok(pair);
+        }
+        let sum = (x + h)?;
+        let normed = self.forward(&sum)?;
+        Ok((sum, normed))
+    }
+
+    /// Non-CPU devices: activations may be bf16 while the weight stays f32.
+    fn forward_device(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let x = x.contiguous()?;
+        #[cfg(feature = "cuda")]
+        if let Some(y) = crate::cuda::ops::rms_norm(&x, &self.weight, self.eps)? {
+            return Ok(y);
+        }
+        let w = self.weight.to_dtype(x.dtype())?;
+        candle_nn::ops::rms_norm(&x, &w, self.eps)
     }
 }

@@ -52,14 +52,7 @@ impl Rope {
         }
         let cos_t = Tensor::from_slice(&cos, (max_positions, half), device)?;
         let sin_t = Tensor::from_slice(&sin, (max_positions, half), device)?;
-        Ok(Self {
-            style,
-            half,
-            cos,
-            sin,
-            cos_t,
-            sin_t,
-        })
+        Ok(Self { style, half, cos, sin, cos_t, sin_t })
     }
 
     pub fn style(&self) -> RopeStyle {
@@ -74,32 +67,68 @@ impl Rope {
     pub fn apply(&self, x: &Tensor, start: usize) -> candle_core::Result<Tensor> {
         let (tokens, _heads, dim) = x.dims3()?;
         if dim != 2 * self.half {
-            candle_core::bail!(
-                "rope: head_dim {dim} does not match the table ({})",
-                2 * self.half
-            )
+            candle_core::bail!("rope: head_dim {dim} does not match the table ({})", 2 * self.half)
         }
         if start + tokens > self.max_positions() {
-            candle_core::bail!(
-                "rope: position {} beyond the model's maximum {}",
-                start + tokens,
-                self.max_positions()
-            )
+            candle_core::bail!("rope: position {} beyond the model's maximum {}", start + tokens, self.max_positions())
         }
         match (x.device(), x.dtype()) {
-            (Device::Cpu, DType::F32) => x
-                .contiguous()?
-                .apply_op1_no_bwd(&RopeCpu { rope: self, start }),
-            _ => self.apply_generic(x, start),
+            (Device::Cpu, DType::F32) => x.contiguous()?.apply_op1_no_bwd(&RopeCpu { rope: self, start }),
+            _ => {
+                #[cfg(feature = "cuda")]
+                if let Some(y) = self.apply_cuda(x, crate::cuda::Pos::Host(start))? {
+                    return Ok(y);
+                }
+                self.apply_generic(x, start)
+            }
         }
+    }
+
+    /// Rotates one token `x: [1, heads, head_dim]` at the position held in `pos` (a one-element
+    /// u32 tensor on x's device), so that a captured step serves every position. The caller
+    /// keeps the position below `max_positions`.
+    pub fn apply_at(&self, x: &Tensor, pos: &Tensor) -> candle_core::Result<Tensor> {
+        let (tokens, _heads, dim) = x.dims3()?;
+        if tokens != 1 || dim != 2 * self.half {
+            candle_core::bail!("rope: apply_at takes one token of head_dim {}", 2 * self.half)
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(y) = self.apply_cuda(x, crate::cuda::Pos::Device(pos))? {
+            return Ok(y);
+        }
+        let idx = pos.flatten_all()?;
+        let cos = self.cos_t.index_select(&idx, 0)?.to_dtype(x.dtype())?;
+        let sin = self.sin_t.index_select(&idx, 0)?.to_dtype(x.dtype())?;
+        self.rotate_generic(x, &cos, &sin)
+    }
+
+    /// The f32 tables `[max_positions, head_dim/2]` on the model's device and whether pairs are
+    /// interleaved (for kernels that rotate on the fly).
+    pub fn tables(&self) -> (&Tensor, &Tensor, bool) {
+        (&self.cos_t, &self.sin_t, self.style == RopeStyle::Interleaved)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn apply_cuda(&self, x: &Tensor, pos: crate::cuda::Pos<'_>) -> candle_core::Result<Option<Tensor>> {
+        if !matches!(x.device(), Device::Cuda(_)) {
+            return Ok(None);
+        }
+        let interleaved = self.style == RopeStyle::Interleaved;
+        crate::cuda::ops::rope(&x.contiguous()?, &self.cos_t, &self.sin_t, pos, interleaved)
     }
 
     /// Device-independent composition of candle ops (the reference for the fused kernels).
     pub fn apply_generic(&self, x: &Tensor, start: usize) -> candle_core::Result<Tensor> {
-        let (tokens, heads, dim) = x.dims3()?;
-        let half = self.half;
+        let tokens = x.dims3()?.0;
         let cos = self.cos_t.narrow(0, start, tokens)?.to_dtype(x.dtype())?;
         let sin = self.sin_t.narrow(0, start, tokens)?.to_dtype(x.dtype())?;
+        self.rotate_generic(x, &cos, &sin)
+    }
+
+    /// x `[tokens, heads, head_dim]` rotated by per-token rows `cos`, `sin` `[tokens, head_dim/2]`.
+    fn rotate_generic(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+        let (tokens, heads, dim) = x.dims3()?;
+        let half = self.half;
         match self.style {
             RopeStyle::HalfSplit => {
                 let (cos, sin) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
@@ -134,24 +163,15 @@ impl CustomOp1 for RopeCpu<'_> {
         "rope"
     }
 
-    fn cpu_fwd(
-        &self,
-        storage: &CpuStorage,
-        layout: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let CpuStorage::F32(data) = storage else {
-            candle_core::bail!("rope: expected f32")
-        };
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let CpuStorage::F32(data) = storage else { candle_core::bail!("rope: expected f32") };
         let (tokens, heads, dim) = layout.shape().dims3()?;
         let x = &data[layout.start_offset()..layout.start_offset() + tokens * heads * dim];
         let half = self.rope.half;
         let mut out = vec![0f32; x.len()];
         for t in 0..tokens {
             let row = (self.start + t) * half;
-            let (cos, sin) = (
-                &self.rope.cos[row..row + half],
-                &self.rope.sin[row..row + half],
-            );
+            let (cos, sin) = (&self.rope.cos[row..row + half], &self.rope.sin[row..row + half]);
             for h in 0..heads {
                 let o = (t * heads + h) * dim;
                 let (src, dst) = (&x[o..o + dim], &mut out[o..o + dim]);
@@ -206,19 +226,9 @@ mod tests {
         let x = Tensor::randn(0f32, 1.0, (2, 1, 4), &dev)?;
         let rope = Rope::new(RopeStyle::HalfSplit, 4, 10000.0, 8, None, &dev)?;
         let y = rope.apply(&x, 0)?;
-        let row0 = (y.get(0)? - x.get(0)?)?
-            .abs()?
-            .max_all()?
-            .to_scalar::<f32>()?;
+        let row0 = (y.get(0)? - x.get(0)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(row0 < 1e-7);
-        let n = |t: &Tensor| {
-            t.sqr()
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-        };
+        let n = |t: &Tensor| t.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
         assert!((n(&y) - n(&x)).abs() < 1e-4);
         Ok(())
     }

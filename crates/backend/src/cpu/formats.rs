@@ -272,21 +272,12 @@ impl Block for Q6K {
 }
 
 /// Dequantizes whole rows `[rows, cols]` of `bytes` in `format` (reference and embedding path).
-pub fn dequant_rows(
-    format: Format,
-    bytes: &[u8],
-    cols: usize,
-    rows: std::ops::Range<usize>,
-    out: &mut [f32],
-) {
+pub fn dequant_rows(format: Format, bytes: &[u8], cols: usize, rows: std::ops::Range<usize>, out: &mut [f32]) {
     fn run<B: Block>(bytes: &[u8], cols: usize, rows: std::ops::Range<usize>, out: &mut [f32]) {
         let row_bytes = cols / B::N * B::BYTES;
         for (i, r) in rows.enumerate() {
             let row = &bytes[r * row_bytes..(r + 1) * row_bytes];
-            for (blk, o) in row
-                .chunks_exact(B::BYTES)
-                .zip(out[i * cols..(i + 1) * cols].chunks_exact_mut(B::N))
-            {
+            for (blk, o) in row.chunks_exact(B::BYTES).zip(out[i * cols..(i + 1) * cols].chunks_exact_mut(B::N)) {
                 B::dequant(blk, o);
             }
         }
@@ -316,10 +307,7 @@ mod tests {
         for bits in 0..=u16::MAX {
             let want = half::f16::from_bits(bits).to_f32();
             let got = f16_to_f32(bits);
-            assert!(
-                want.to_bits() == got.to_bits() || (want.is_nan() && got.is_nan()),
-                "{bits:#x}"
-            );
+            assert!(want.to_bits() == got.to_bits() || (want.is_nan() && got.is_nan()), "{bits:#x}");
         }
     }
 
@@ -345,13 +333,7 @@ mod tests {
             let want: Vec<f32> = q.dequantize(&dev)?.flatten_all()?.to_vec1()?;
             let data = q.data()?;
             let mut got = vec![0f32; rows * cols];
-            dequant_rows(
-                Format::from_ggml(dt).unwrap(),
-                &data,
-                cols,
-                0..rows,
-                &mut got,
-            );
+            dequant_rows(Format::from_ggml(dt).unwrap(), &data, cols, 0..rows, &mut got);
             assert_eq!(got, want, "{dt:?}");
         }
         Ok(())

@@ -25,28 +25,44 @@ impl WeightBytes for Vec<u8> {
     }
 }
 
+/// One or more weight matrices with the same format and input width, stacked along the output
+/// (e.g. Q, K and V, or gate and up): one parallel region computes all of them.
 pub struct CpuMatmul {
     format: Format,
     rows: usize,
     cols: usize,
+    parts: Vec<Part>,
+}
+
+struct Part {
     data: std::sync::Arc<dyn WeightBytes>,
+    /// First output row of this part in the stack.
+    start: usize,
+    rows: usize,
 }
 
 impl CpuMatmul {
     /// `rows` = output features, `cols` = input features (a multiple of the block size).
-    pub fn new(
-        format: Format,
-        rows: usize,
-        cols: usize,
-        data: std::sync::Arc<dyn WeightBytes>,
-    ) -> Option<Self> {
-        let expected = rows * (cols / format.block()) * format.block_bytes();
-        (cols % format.block() == 0 && data.bytes().len() == expected).then_some(Self {
-            format,
-            rows,
-            cols,
-            data,
-        })
+    pub fn new(format: Format, rows: usize, cols: usize, data: std::sync::Arc<dyn WeightBytes>) -> Option<Self> {
+        Self::stacked(format, cols, vec![(data, rows)])
+    }
+
+    /// Matrices `(bytes, rows)` stacked in order; None if a size does not match.
+    pub fn stacked(format: Format, cols: usize, parts: Vec<(std::sync::Arc<dyn WeightBytes>, usize)>) -> Option<Self> {
+        if cols % format.block() != 0 {
+            return None;
+        }
+        let row_bytes = cols / format.block() * format.block_bytes();
+        let mut start = 0;
+        let mut out = Vec::new();
+        for (data, rows) in parts {
+            if data.bytes().len() != rows * row_bytes {
+                return None;
+            }
+            out.push(Part { data, start, rows });
+            start += rows;
+        }
+        Some(Self { format, rows: start, cols, parts: out })
     }
 
     pub fn rows(&self) -> usize {
@@ -61,10 +77,6 @@ impl CpuMatmul {
         self.format
     }
 
-    pub fn bytes(&self) -> &[u8] {
-        self.data.bytes()
-    }
-
     /// x `[t, cols]` → y `[t, rows]`.
     pub fn forward(&self, x: &[f32], t: usize, y: &mut [f32]) {
         self.forward_at(level(), x, t, y)
@@ -74,15 +86,7 @@ impl CpuMatmul {
     pub fn forward_at(&self, level: Level, x: &[f32], t: usize, y: &mut [f32]) {
         assert_eq!(x.len(), t * self.cols);
         assert_eq!(y.len(), t * self.rows);
-        let a = Args {
-            level,
-            w: self.data.bytes(),
-            rows: self.rows,
-            cols: self.cols,
-            x,
-            t,
-            y: SharedOut::new(y),
-        };
+        let a = Args { level, m: self, x, t, y: SharedOut::new(y) };
         match self.format {
             Format::F32 => run::<formats::F32>(&a),
             Format::F16 => run::<formats::F16>(&a),
@@ -100,42 +104,96 @@ impl CpuMatmul {
 
 struct Args<'a> {
     level: Level,
-    w: &'a [u8],
-    rows: usize,
-    cols: usize,
+    m: &'a CpuMatmul,
     x: &'a [f32],
     t: usize,
     y: SharedOut,
 }
 
-fn run<B: Block + 'static>(a: &Args) {
-    let worth = a.rows * a.cols * a.t >= 1 << 15;
+/// What a kernel sees: one part's rows, writing into the stacked output.
+struct PartArgs<'a> {
+    level: Level,
+    w: &'a [u8],
+    cols: usize,
+    x: &'a [f32],
+    t: usize,
+    /// Output row stride (all parts) and this part's first output row.
+    out_rows: usize,
+    out_start: usize,
+    y: SharedOut,
+}
+
+impl Args<'_> {
+    /// Calls `f` for each part overlapping the stacked rows `rows`, with local row ranges.
+    fn for_parts(&self, rows: std::ops::Range<usize>, mut f: impl FnMut(&PartArgs, std::ops::Range<usize>)) {
+        for part in &self.m.parts {
+            let lo = rows.start.max(part.start);
+            let hi = rows.end.min(part.start + part.rows);
+            if lo < hi {
+                let pa = PartArgs {
+                    level: self.level,
+                    w: part.data.bytes(),
+                    cols: self.m.cols,
+                    x: self.x,
+                    t: self.t,
+                    out_rows: self.m.rows,
+                    out_start: part.start,
+                    y: self.y,
+                };
+                f(&pa, lo - part.start..hi - part.start);
+            }
+        }
+    }
+}
+
+/// A format with every kernel: portable, and on x86 the AVX-512 register dequantizer.
+#[cfg(target_arch = "x86_64")]
+pub trait KernelBlock: Block + super::x86::Dq16 {}
+#[cfg(target_arch = "x86_64")]
+impl<T: Block + super::x86::Dq16> KernelBlock for T {}
+#[cfg(not(target_arch = "x86_64"))]
+pub trait KernelBlock: Block {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<T: Block> KernelBlock for T {}
+
+fn run<B: KernelBlock + 'static>(a: &Args) {
+    let (rows, cols) = (a.m.rows, a.m.cols);
+    let worth = rows * cols * a.t >= 1 << 15;
     if a.t == 1 {
-        parallel_ranges(a.rows, 4, worth, |rows| gemv::<B>(a.level, a, rows));
+        parallel_ranges(rows, 4, worth, |rows| a.for_parts(rows, |p, rows| gemv_part::<B>(p, rows)));
     } else {
         let nr = panel_width(a.level);
-        let xp = pack_activations(a.x, a.t, a.cols, tile_height(a.level));
-        parallel_ranges(a.rows, nr, worth, |rows| {
+        let xp = pack_activations(a.x, a.t, cols, tile_height(a.level));
+        parallel_ranges(rows, nr, worth, |rows| {
             // Scratch is taken here, outside the multiversioned kernel: closures do not inherit
             // the kernel's target features.
             SCRATCH.with(|s| {
                 let (row_buf, panel) = &mut *s.borrow_mut();
-                row_buf.resize(a.cols, 0.0);
-                panel.resize(a.cols * nr, 0.0);
-                gemm::<B>(a.level, a, &xp, rows, row_buf, panel)
+                row_buf.resize(cols, 0.0);
+                panel.resize(cols * nr, 0.0);
+                a.for_parts(rows, |p, rows| gemm::<B>(p.level, p, &xp, rows, row_buf, panel))
             })
         });
     }
 }
 
-multiversion!(fn gemv<B: Block>(a: &Args, rows: std::ops::Range<usize>) => gemv_impl);
-multiversion!(fn gemm<B: Block>(a: &Args, xp: &[f32], rows: std::ops::Range<usize>, row_buf: &mut [f32], panel: &mut [f32]) => gemm_impl);
+fn gemv_part<B: KernelBlock>(p: &PartArgs, rows: std::ops::Range<usize>) {
+    #[cfg(target_arch = "x86_64")]
+    if p.level == Level::Avx512 {
+        // SAFETY: AVX-512 was detected; each thread writes only its own rows.
+        return unsafe { super::x86::gemv::<B>(p.w, p.cols, p.x, rows, &mut |r, v| p.y.write(p.out_start + r, v)) };
+    }
+    gemv::<B>(p.level, p, rows)
+}
+
+multiversion!(fn gemv<B: Block>(a: &PartArgs, rows: std::ops::Range<usize>) => gemv_impl);
+multiversion!(fn gemm<B: KernelBlock>(a: &PartArgs, xp: &[f32], rows: std::ops::Range<usize>, row_buf: &mut [f32], panel: &mut [f32]) => gemm_impl);
 
 const LANES: usize = 16;
 
 /// Decode: one token against rows `rows`, four rows at a time for instruction-level parallelism.
 #[inline(always)]
-fn gemv_impl<B: Block, F: MulAdd>(_level: Level, a: &Args, rows: std::ops::Range<usize>) {
+fn gemv_impl<B: Block, F: MulAdd>(_level: Level, a: &PartArgs, rows: std::ops::Range<usize>) {
     let row_bytes = a.cols / B::N * B::BYTES;
     let mut r = rows.start;
     while r < rows.end {
@@ -147,10 +205,7 @@ fn gemv_impl<B: Block, F: MulAdd>(_level: Level, a: &Args, rows: std::ops::Range
             for i in 0..n {
                 let off = (r + i) * row_bytes + blk * B::BYTES;
                 B::dequant(&a.w[off..off + B::BYTES], &mut buf[i][..B::N]);
-                for (wc, xc) in buf[i][..B::N]
-                    .chunks_exact(LANES)
-                    .zip(xs.chunks_exact(LANES))
-                {
+                for (wc, xc) in buf[i][..B::N].chunks_exact(LANES).zip(xs.chunks_exact(LANES)) {
                     for l in 0..LANES {
                         acc[i][l] = F::mul_add(wc[l], xc[l], acc[i][l]);
                     }
@@ -159,7 +214,7 @@ fn gemv_impl<B: Block, F: MulAdd>(_level: Level, a: &Args, rows: std::ops::Range
         }
         for i in 0..n {
             // SAFETY: each thread owns a distinct row range.
-            unsafe { a.y.write(r + i, acc[i].iter().sum()) };
+            unsafe { a.y.write(a.out_start + r + i, acc[i].iter().sum()) };
         }
         r += n;
     }
@@ -208,9 +263,9 @@ thread_local! {
 }
 
 #[inline(always)]
-fn gemm_impl<B: Block, F: MulAdd>(
+fn gemm_impl<B: KernelBlock, F: MulAdd>(
     level: Level,
-    a: &Args,
+    a: &PartArgs,
     xp: &[f32],
     rows: std::ops::Range<usize>,
     row_buf: &mut [f32],
@@ -227,8 +282,8 @@ fn gemm_impl<B: Block, F: MulAdd>(
 }
 
 #[inline(always)]
-fn gemm_tiles<B: Block, K: MicroKernel>(
-    a: &Args,
+fn gemm_tiles<B: KernelBlock, K: MicroKernel>(
+    a: &PartArgs,
     xp: &[f32],
     rows: std::ops::Range<usize>,
     row_buf: &mut [f32],
@@ -248,7 +303,7 @@ fn gemm_tiles<B: Block, K: MicroKernel>(
                 let tok = tile * mr + i;
                 for j in 0..width {
                     // SAFETY: each thread owns a distinct range of output columns.
-                    unsafe { a.y.write(tok * a.rows + p + j, acc[i * nr + j]) };
+                    unsafe { a.y.write(tok * a.out_rows + a.out_start + p + j, acc[i * nr + j]) };
                 }
             }
         }
@@ -256,28 +311,29 @@ fn gemm_tiles<B: Block, K: MicroKernel>(
     }
 }
 
+#[inline(always)]
+fn dequant_row<B: KernelBlock>(level: Level, row: &[u8], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if level == Level::Avx512 {
+        // SAFETY: AVX-512 was detected; `row` holds the blocks of `out.len()` values.
+        return unsafe { super::x86::dequant_row::<B>(row, out) };
+    }
+    let _ = level;
+    for (blk, o) in row.chunks_exact(B::BYTES).zip(out.chunks_exact_mut(B::N)) {
+        B::dequant(blk, o);
+    }
+}
+
 /// Dequantizes rows p..p+width into `panel` as `[k][nr]` (missing rows stay zero).
 #[inline(always)]
-fn pack_panel<B: Block>(
-    a: &Args,
-    p: usize,
-    width: usize,
-    nr: usize,
-    row_buf: &mut [f32],
-    panel: &mut [f32],
-) {
+fn pack_panel<B: KernelBlock>(a: &PartArgs, p: usize, width: usize, nr: usize, row_buf: &mut [f32], panel: &mut [f32]) {
     let row_bytes = a.cols / B::N * B::BYTES;
     if width < nr {
         panel.fill(0.0);
     }
     for r in 0..width {
         let row = &a.w[(p + r) * row_bytes..(p + r + 1) * row_bytes];
-        for (blk, out) in row
-            .chunks_exact(B::BYTES)
-            .zip(row_buf.chunks_exact_mut(B::N))
-        {
-            B::dequant(blk, out);
-        }
+        dequant_row::<B>(a.level, row, row_buf);
         for (k, v) in row_buf.iter().enumerate() {
             panel[k * nr + r] = *v;
         }
@@ -311,24 +367,56 @@ mod tests {
         ] {
             let q = QTensor::quantize(&w, dt)?;
             let wd = q.dequantize(&dev)?;
-            let mm = CpuMatmul::new(
-                Format::from_ggml(dt).unwrap(),
-                n,
-                k,
-                Arc::new(q.data()?.to_vec()),
-            )
-            .unwrap();
+            let mm = CpuMatmul::new(Format::from_ggml(dt).unwrap(), n, k, Arc::new(q.data()?.to_vec())).unwrap();
             for t in [1, 3, 8, 13] {
                 let x = Tensor::randn(0f32, 1.0, (t, k), &dev)?;
                 let want: Vec<f32> = x.matmul(&wd.t()?)?.flatten_all()?.to_vec1()?;
                 let mut got = vec![0f32; t * n];
                 mm.forward(&x.flatten_all()?.to_vec1()?, t, &mut got);
-                let err = want
-                    .iter()
-                    .zip(&got)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0f32, f32::max);
+                let err = want.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
                 assert!(err < 2e-3, "{dt:?} t={t}: max error {err}");
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod stacked_tests {
+    use super::*;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+    use std::sync::Arc;
+
+    /// A stack of three matrices equals the three products side by side.
+    #[test]
+    fn stacked_equals_separate() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let k = 256;
+        let sizes = [64, 32, 40];
+        let ws: Vec<QTensor> = sizes
+            .iter()
+            .map(|&n| QTensor::quantize(&Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap(), GgmlDType::Q8_0).unwrap())
+            .collect();
+        let parts = ws
+            .iter()
+            .zip(sizes)
+            .map(|(q, n)| (Arc::new(q.data().unwrap().to_vec()) as Arc<dyn WeightBytes>, n))
+            .collect();
+        let stack = CpuMatmul::stacked(Format::Q8_0, k, parts).unwrap();
+        for t in [1, 5] {
+            let x: Vec<f32> = Tensor::randn(0f32, 1.0, (t, k), &dev)?.flatten_all()?.to_vec1()?;
+            let mut y = vec![0f32; t * stack.rows()];
+            stack.forward(&x, t, &mut y);
+            let mut col = 0;
+            for (q, n) in ws.iter().zip(sizes) {
+                let single = CpuMatmul::new(Format::Q8_0, n, k, Arc::new(q.data()?.to_vec())).unwrap();
+                let mut ys = vec![0f32; t * n];
+                single.forward(&x, t, &mut ys);
+                for tok in 0..t {
+                    assert_eq!(&y[tok * stack.rows() + col..tok * stack.rows() + col + n], &ys[tok * n..(tok + 1) * n]);
+                }
+                col += n;
             }
         }
         Ok(())

@@ -6,10 +6,13 @@
 //! feature levels (`multiversion!`), chosen once at run time; other CPUs get the portable build.
 
 pub mod formats;
+pub mod math;
 pub mod matmul;
 mod micro;
-mod simd;
+pub(crate) mod simd;
 pub mod threads;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 pub use formats::Format;
 pub use matmul::CpuMatmul;

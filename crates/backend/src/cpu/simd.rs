@@ -99,3 +99,32 @@ macro_rules! multiversion {
     };
 }
 pub(crate) use multiversion;
+
+/// `multiversion!` for kernels without a block type: `$imp::<F: MulAdd>(level, args)`.
+macro_rules! multiversion_plain {
+    ($vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) => $imp:ident) => {
+        $vis fn $name(level: $crate::cpu::simd::Level, $($arg: $ty),*) {
+            use $crate::cpu::simd::{Fused, Level, Plain};
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+                unsafe fn avx512($($arg: $ty),*) {
+                    $imp::<Fused>($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma,f16c")]
+                unsafe fn avx2($($arg: $ty),*) {
+                    $imp::<Fused>($($arg),*)
+                }
+                assert!(level <= $crate::cpu::simd::level(), "{level:?} is not supported by this CPU");
+                match level {
+                    // SAFETY: the assert above checked that the CPU supports the level.
+                    Level::Avx512 => return unsafe { avx512($($arg),*) },
+                    Level::Avx2 => return unsafe { avx2($($arg),*) },
+                    Level::Portable => {}
+                }
+            }
+            $imp::<Plain>($($arg),*)
+        }
+    };
+}
+pub(crate) use multiversion_plain;

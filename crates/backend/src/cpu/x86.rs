@@ -1,0 +1,207 @@
+//! AVX-512 kernels: each block format dequantizes 16 values at a time straight into a vector
+//! register (`dq16`), and one generic loop multiplies them into the activations. Only the
+//! per-format `dq16` differs; the loops are shared.
+
+#![cfg(target_arch = "x86_64")]
+
+use super::formats::{self, Block};
+use std::arch::x86_64::*;
+
+/// A block format the AVX-512 kernels can dequantize in registers.
+pub trait Dq16: Block {
+    /// Values `16c .. 16c+16` of the block at `b`.
+    ///
+    /// # Safety
+    /// AVX-512F/BW and F16C are available; `b` points at a whole block; `c < N / 16`.
+    unsafe fn dq16(b: *const u8, c: usize) -> __m512;
+}
+
+#[inline(always)]
+unsafe fn half(b: *const u8) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([*b, *b.add(1)]) as i32)))
+}
+
+#[inline(always)]
+unsafe fn nibbles(qs: *const u8, high: bool) -> __m512 {
+    let q = _mm_loadu_si128(qs as *const __m128i);
+    let q = if high { _mm_srli_epi16(q, 4) } else { q };
+    let q = _mm_and_si128(q, _mm_set1_epi8(0x0f));
+    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))
+}
+
+impl Dq16 for formats::F32 {
+    #[inline(always)]
+    unsafe fn dq16(b: *const u8, c: usize) -> __m512 {
+        _mm512_loadu_ps(b.add(64 * c) as *const f32)
+    }
+}
+
+impl Dq16 for formats::F16 {
+    #[inline(always)]
+    unsafe fn dq16(b: *const u8, c: usize) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(b.add(32 * c) as *const __m256i))
+    }
+}
+
+impl Dq16 for formats::BF16 {
+    #[inline(always)]
+    unsafe fn dq16(b: *const u8, c: usize) -> __m512 {
+        let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(b.add(32 * c) as *const __m256i));
+        _mm512_castsi512_ps(_mm512_slli_epi32(h, 16))
+    }
+}
+
+impl Dq16 for formats::Q4_0 {
+    #[inline(always)]
+    unsafe fn dq16(b: *const u8, c: usize) -> __m512 {
+        let d = half(b);
+        _mm512_fmadd_ps(nibbles(b.add(2), c == 1), _mm512_set1_ps(d), _mm512_set1_ps(-8.0 * d))
+    }
+}
+
+impl Dq16 for formats::Q4_1 {
+    #[inline(always)]
+    unsafe fn dq16(b: *const u8, c: usize) -> __m512 {
+        _mm512_fmadd_ps(nibbles(b.add(4), c == 1), _mm512_set1_ps(half(b)), _mm512_set1_ps(half(b.add(2))))
+    }
+}
+
+/// The fifth bits of Q5 values 16c..16c+16, as 0 or 16 in each lane.
+#[inline(always)]
+unsafe fn fifth_bits(qh: *const u8, c: usize) -> __m512i {
+    let bits = u32::from_le_bytes([*qh, *qh.add(1), *qh.add(2), *qh.add(3)]);
+    let mask = (bits >> (16 * c)) as u16;
+    _mm512_maskz_mov_epi32(mask, _mm512_set1_epi32(16))
+}
+
+#[inline(always)]
+unsafe fn q5_values(b: *const u8, qh: usize, qs: usize, c: usize) -> __m512 {
+    let q = _mm_loadu_si128(b.add(qs) as *const __m128i);
+    let q = if c == 1 { _mm_srli_epi16(q, 4) } else { q };
+    let low = _mm512_cvtepu8_epi32(_mm_and_si128(q, _mm_set1_epi8(0x0f)));
+    _mm512_cvtepi32_ps(_mm512_or_si512(low, fifth_bits(b.add(qh), c)))
+}
+
+impl Dq16 for formats::Q5_0 {
+    #[inline(always)]
+    unsafe fn dq16(b: *const u8, c: usize) -> __m512 {
+        let d = half(b);
+        _mm512_fmadd_ps(q5_values(b, 2, 6, c), _mm512_set1_ps(d), _mm512_set1_ps(-16.0 * d))
+    }
+}
+
+impl Dq16 for formats::Q5_1 {
+    #[inline(always)]
+    unsafe fn dq16(b: *const u8, c: usize) -> __m512 {
+        _mm512_fmadd_ps(q5_values(b, 4, 8, c), _mm512_set1_ps(half(b)), _mm512_set1_ps(half(b.add(2))))
+    }
+}
+
+impl Dq16 for formats::Q8_0 {
+    #[inline(always)]
+    unsafe fn dq16(b: *const u8, c: usize) -> __m512 {
+        let q = _mm_loadu_si128(b.add(2 + 16 * c) as *const __m128i);
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(half(b)))
+    }
+}
+
+impl Dq16 for formats::Q4K {
+    #[inline(always)]
+    unsafe fn dq16(b: *const u8, c: usize) -> __m512 {
+        // 4 groups of 64 values; each group has a low-nibble and a high-nibble sub-block of 32.
+        let (group, sub, half_of_sub) = (c / 4, (c / 2) % 2, c % 2);
+        let scales = std::slice::from_raw_parts(b.add(4), 12);
+        let (sc, m) = scale_min_k4(2 * group + sub, scales);
+        let q = nibbles(b.add(16 + group * 32 + half_of_sub * 16), sub == 1);
+        let d = _mm512_set1_ps(half(b) * sc);
+        _mm512_fmsub_ps(q, d, _mm512_set1_ps(half(b.add(2)) * m))
+    }
+}
+
+#[inline(always)]
+fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
+    if j < 4 {
+        ((q[j] & 63) as f32, (q[j + 4] & 63) as f32)
+    } else {
+        let sc = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+        let m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+        (sc as f32, m as f32)
+    }
+}
+
+impl Dq16 for formats::Q6K {
+    #[inline(always)]
+    unsafe fn dq16(b: *const u8, c: usize) -> __m512 {
+        // Two halves of 128 values; each half has four quadrants of 32 built from ql/qh bits.
+        let (h, e) = (c / 8, (c % 8) * 16);
+        let (quadrant, l0) = (e / 32, e % 32);
+        let ql = _mm_loadu_si128(b.add(h * 64 + (quadrant & 1) * 32 + l0) as *const __m128i);
+        let ql = if quadrant >= 2 { _mm_srli_epi16(ql, 4) } else { ql };
+        let ql = _mm_and_si128(ql, _mm_set1_epi8(0x0f));
+        let qh = _mm_loadu_si128(b.add(128 + h * 32 + l0) as *const __m128i);
+        let qh = _mm_and_si128(_mm_srl_epi16(qh, _mm_cvtsi32_si128(2 * quadrant as i32)), _mm_set1_epi8(3));
+        let q = _mm_or_si128(ql, _mm_slli_epi16(qh, 4));
+        let v = _mm512_sub_epi32(_mm512_cvtepu8_epi32(q), _mm512_set1_epi32(32));
+        let scale = *(b.add(192 + h * 8 + l0 / 16 + 2 * quadrant) as *const i8) as f32;
+        _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(half(b.add(208)) * scale))
+    }
+}
+
+/// y[r] = W[r] · x for rows `rows`, four rows at a time sharing the activation loads.
+///
+/// # Safety
+/// AVX-512F/BW/VL and F16C are available; `w` holds whole rows of `cols / N` blocks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub unsafe fn gemv<B: Dq16>(
+    w: &[u8],
+    cols: usize,
+    x: &[f32],
+    rows: std::ops::Range<usize>,
+    y: &mut dyn FnMut(usize, f32),
+) {
+    let row_bytes = cols / B::N * B::BYTES;
+    assert!(w.len() >= rows.end * row_bytes && x.len() >= cols);
+    let (wp, xp) = (w.as_ptr(), x.as_ptr());
+    let mut r = rows.start;
+    while r + 4 <= rows.end {
+        let mut acc = [_mm512_setzero_ps(); 4];
+        for blk in 0..cols / B::N {
+            let off = blk * B::BYTES;
+            for c in 0..B::N / 16 {
+                let xv = _mm512_loadu_ps(xp.add(blk * B::N + 16 * c));
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(B::dq16(wp.add((r + i) * row_bytes + off), c), xv, *a);
+                }
+            }
+        }
+        for (i, a) in acc.iter().enumerate() {
+            y(r + i, _mm512_reduce_add_ps(*a));
+        }
+        r += 4;
+    }
+    for r in r..rows.end {
+        let mut acc = _mm512_setzero_ps();
+        for blk in 0..cols / B::N {
+            for c in 0..B::N / 16 {
+                let xv = _mm512_loadu_ps(xp.add(blk * B::N + 16 * c));
+                acc = _mm512_fmadd_ps(B::dq16(wp.add(r * row_bytes + blk * B::BYTES), c), xv, acc);
+            }
+        }
+        y(r, _mm512_reduce_add_ps(acc));
+    }
+}
+
+/// Dequantizes one row (`cols` values) into `out`.
+///
+/// # Safety
+/// As for `gemv`; `row` holds `cols / N` blocks and `out` `cols` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub unsafe fn dequant_row<B: Dq16>(row: &[u8], out: &mut [f32]) {
+    assert!(row.len() * B::N >= out.len() * B::BYTES);
+    for blk in 0..out.len() / B::N {
+        for c in 0..B::N / 16 {
+            let v = B::dq16(row.as_ptr().add(blk * B::BYTES), c);
+            _mm512_storeu_ps(out.as_mut_ptr().add(blk * B::N + 16 * c), v);
+        }
+    }
+}

@@ -1,0 +1,160 @@
+//! NVIDIA GPUs (feature `cuda`): device setup, ferrolm's own kernels (`kernels.cu`, compiled to
+//! PTX by build.rs) and the captured decode step (`graph.rs`).
+//!
+//! The kernels are launched directly on candle's stream with raw device pointers; every wrapper
+//! returns `Ok(None)` when its inputs are outside what the kernel handles (dtype, layout, sizes),
+//! and the caller then runs the generic candle composition. Positions are either host values or
+//! a device word ([`Pos`]), so a step captured once replays at every position.
+//!
+//! Debug levers, read once: `FERROLM_CUDA_KERNELS=0` turns every ferrolm kernel off (candle ops
+//! only), `FERROLM_CUDA_GEMV=0` only the batch-1 matrix-vector kernel (cuBLAS instead).
+
+use candle_core::cuda_backend::cudarc::driver::{sys, DevicePtr};
+use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice};
+use candle_core::{CudaStorage, DType, Device, Result, Shape, Storage, Tensor};
+use std::sync::OnceLock;
+
+pub(crate) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ferrolm_kernels.ptx"));
+pub(crate) const MODULE: &str = "ferrolm_kernels";
+
+/// A CUDA device on its own stream, without per-tensor event tracking (one stream orders all
+/// work; events on every allocation cost host time and cannot be captured), and with the
+/// stream-ordered allocator keeping freed memory for reuse instead of returning it at each sync.
+pub fn new_device(ordinal: usize) -> Result<Device> {
+    let dev = CudaDevice::new_with_stream(ordinal)?;
+    // SAFETY: ferrolm submits all work on this one stream (graph replays included).
+    unsafe { dev.disable_event_tracking() };
+    keep_freed_memory(&dev);
+    Ok(Device::Cuda(dev))
+}
+
+fn keep_freed_memory(dev: &CudaDevice) {
+    let stream = dev.cuda_stream();
+    let ctx = stream.context();
+    if ctx.bind_to_thread().is_err() {
+        return;
+    }
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: plain driver calls on this context's device; failures leave the default in place.
+    unsafe {
+        if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS {
+            let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+            sys::cuMemPoolSetAttribute(pool, attr, &mut threshold as *mut u64 as *mut std::ffi::c_void);
+        }
+    }
+}
+
+/// Which of ferrolm's kernels are on (debug levers, read once per process).
+#[derive(Clone, Copy, Debug)]
+pub struct Policy {
+    pub kernels: bool,
+    pub gemv: bool,
+}
+
+pub fn policy() -> Policy {
+    static P: OnceLock<Policy> = OnceLock::new();
+    *P.get_or_init(|| {
+        let off = |k: &str| std::env::var(k).is_ok_and(|v| v == "0");
+        let kernels = !off("FERROLM_CUDA_KERNELS");
+        Policy { kernels, gemv: kernels && !off("FERROLM_CUDA_GEMV") }
+    })
+}
+
+/// A position read by a kernel: known on the host, or the u32 in a one-element device tensor
+/// (captured steps).
+#[derive(Clone, Copy)]
+pub enum Pos<'a> {
+    Host(usize),
+    Device(&'a Tensor),
+}
+
+/// The CUDA device of a tensor, if it is on one.
+pub(crate) fn cuda_device(t: &Tensor) -> Option<CudaDevice> {
+    match t.device() {
+        Device::Cuda(d) => Some(d.clone()),
+        _ => None,
+    }
+}
+
+/// Device address of a tensor's first element (callers check the layout they index with).
+pub(crate) fn ptr(t: &Tensor) -> Result<u64> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(s) = &*storage else { candle_core::bail!("ferrolm cuda kernel: tensor not on a CUDA device") };
+    Ok(slice_ptr(s)? + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
+}
+
+fn slice_ptr(s: &CudaStorage) -> Result<u64> {
+    let stream = s.device.cuda_stream();
+    Ok(match &s.slice {
+        CudaStorageSlice::BF16(x) => x.device_ptr(&stream).0,
+        CudaStorageSlice::F16(x) => x.device_ptr(&stream).0,
+        CudaStorageSlice::F32(x) => x.device_ptr(&stream).0,
+        CudaStorageSlice::U32(x) => x.device_ptr(&stream).0,
+        CudaStorageSlice::U8(x) => x.device_ptr(&stream).0,
+        CudaStorageSlice::I64(x) => x.device_ptr(&stream).0,
+        _ => candle_core::bail!("ferrolm cuda kernel: unsupported storage dtype"),
+    })
+}
+
+/// The device address a position argument passes (0 = use the host value) and the host value.
+pub(crate) fn pos_args(pos: Pos<'_>) -> Result<(u64, u32)> {
+    match pos {
+        Pos::Host(p) => Ok((0, p as u32)),
+        Pos::Device(t) => {
+            if t.dtype() != DType::U32 || t.elem_count() != 1 {
+                candle_core::bail!("device position must be a one-element u32 tensor")
+            }
+            Ok((ptr(t)?, 0))
+        }
+    }
+}
+
+/// A fresh contiguous tensor of `shape` on `dev` (contents unset until a kernel writes them).
+pub(crate) fn alloc(dev: &CudaDevice, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
+    let shape = shape.into();
+    let n = shape.elem_count();
+    // SAFETY: every caller launches a kernel that writes all n elements before the tensor is read.
+    let slice = unsafe {
+        match dtype {
+            DType::BF16 => CudaStorageSlice::BF16(dev.alloc::<half::bf16>(n)?),
+            DType::F32 => CudaStorageSlice::F32(dev.alloc::<f32>(n)?),
+            DType::U32 => CudaStorageSlice::U32(dev.alloc::<u32>(n)?),
+            d => candle_core::bail!("ferrolm cuda alloc: unsupported dtype {d:?}"),
+        }
+    };
+    let storage = Storage::Cuda(CudaStorage { slice, device: dev.clone() });
+    Ok(Tensor::from_storage(storage, shape, candle_core::op::BackpropOp::none(), false))
+}
+
+/// Kernel-name suffix of a dtype ferrolm's kernels take.
+pub(crate) fn suffix(dtype: DType) -> Option<&'static str> {
+    match dtype {
+        DType::BF16 => Some("bf16"),
+        DType::F32 => Some("f32"),
+        _ => None,
+    }
+}
+
+/// One kernel launch on the device's stream: `launch!(dev, "name", (gx, gy, gz), block, args…)`.
+/// Each argument is bound to a local that lives until the launch.
+macro_rules! launch {
+    ($dev:expr, $name:expr, $grid:expr, $block:expr, $($arg:expr),* $(,)?) => {{
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda_backend::WrapErr;
+        let func = $dev.get_or_load_custom_func($name, $crate::cuda::MODULE, $crate::cuda::PTX)?;
+        let mut builder = func.builder();
+        $(
+            let arg = $arg;
+            builder.arg(&arg);
+        )*
+        let cfg = LaunchConfig { grid_dim: $grid, block_dim: ($block, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the wrappers in ops.rs pass the argument list each kernel declares in
+        // kernels.cu, with pointers to live device buffers of the sizes the kernel indexes.
+        unsafe { builder.launch(cfg) }.w()?;
+    }};
+}
+
+pub mod graph;
+pub mod ops;
+pub mod selftest;

@@ -1,0 +1,232 @@
+//! Launch wrappers for the kernels of `kernels.cu`. Each returns `Ok(None)` (or `false`) when the
+//! inputs are outside what the kernel handles; the caller then runs the generic composition.
+
+use super::{alloc, cuda_device, policy, pos_args, ptr, suffix, Pos};
+use crate::attention::AttentionParams;
+use candle_core::{DType, Result, Tensor};
+
+/// Keys per split of the decode attention: split boundaries are multiples of this whatever the
+/// buffer length, so a step over a narrowed view and one over the whole buffer sum identically.
+pub const ATTN_CHUNK: usize = 256;
+const ATTN_MAX_G: usize = 8;
+
+fn on(t: &Tensor) -> Option<(candle_core::cuda_backend::CudaDevice, &'static str)> {
+    if !policy().kernels || !t.is_contiguous() {
+        return None;
+    }
+    Some((cuda_device(t)?, suffix(t.dtype())?))
+}
+
+fn f32_on_device(t: &Tensor) -> bool {
+    t.dtype() == DType::F32 && t.is_contiguous() && cuda_device(t).is_some()
+}
+
+/// RMSNorm of `x [.., cols]` with f32 weights `w [cols]`.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Option<Tensor>> {
+    Ok(norm(x, None, w, eps)?.map(|(_, n)| n))
+}
+
+/// `s = x + r` (rounded to x's dtype) and RMSNorm(s), in one pass: returns (s, norm).
+pub fn add_rms_norm(x: &Tensor, r: &Tensor, w: &Tensor, eps: f32) -> Result<Option<(Tensor, Tensor)>> {
+    Ok(norm(x, Some(r), w, eps)?.and_then(|(s, n)| s.map(|s| (s, n))))
+}
+
+fn norm(x: &Tensor, r: Option<&Tensor>, w: &Tensor, eps: f32) -> Result<Option<(Option<Tensor>, Tensor)>> {
+    let Some((dev, sfx)) = on(x) else { return Ok(None) };
+    let cols = *x.dims().last().unwrap_or(&0);
+    if cols == 0 || !f32_on_device(w) || w.elem_count() != cols {
+        return Ok(None);
+    }
+    if let Some(r) = r {
+        if r.dtype() != x.dtype() || r.shape() != x.shape() || !r.is_contiguous() {
+            return Ok(None);
+        }
+    }
+    let rows = x.elem_count() / cols;
+    let mut dims = x.dims().to_vec();
+    let halves = if r.is_some() { 2 } else { 1 };
+    dims.insert(0, halves);
+    let out = alloc(&dev, dims, x.dtype())?;
+    let base = ptr(&out)?;
+    let half_bytes = (rows * cols * x.dtype().size_in_bytes()) as u64;
+    let (rp, sp, op) = match r {
+        Some(r) => (ptr(r)?, base, base + half_bytes),
+        None => (0u64, 0u64, base),
+    };
+    launch!(dev, &format!("fl_rmsnorm_{sfx}"), (rows as u32, 1, 1), 256, ptr(x)?, rp, sp, op, ptr(w)?, cols as i32, eps);
+    let normed = out.narrow(0, halves - 1, 1)?.squeeze(0)?;
+    let sum = match r {
+        Some(_) => Some(out.narrow(0, 0, 1)?.squeeze(0)?),
+        None => None,
+    };
+    Ok(Some((sum, normed)))
+}
+
+/// Rotary embedding of `x [tokens, heads, dim]`, token t at position pos + t; `cos`, `sin` are the
+/// f32 tables `[max_positions, dim/2]` (the caller checks the range).
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, pos: Pos<'_>, interleaved: bool) -> Result<Option<Tensor>> {
+    let Some((dev, sfx)) = on(x) else { return Ok(None) };
+    let Ok((tokens, heads, dim)) = x.dims3() else { return Ok(None) };
+    if !f32_on_device(cos) || !f32_on_device(sin) || dim % 2 != 0 {
+        return Ok(None);
+    }
+    let out = alloc(&dev, x.shape().clone(), x.dtype())?;
+    let (pp, ph) = pos_args(pos)?;
+    let total = tokens * heads * dim / 2;
+    let grid = total.div_ceil(256).clamp(1, 4096) as u32;
+    launch!(
+        dev, &format!("fl_rope_{sfx}"), (grid, 1, 1), 256,
+        ptr(x)?, ptr(&out)?, ptr(cos)?, ptr(sin)?, pp, ph, tokens as i32, heads as i32, dim as i32, interleaved as i32
+    );
+    Ok(Some(out))
+}
+
+/// The rotary tables and convention a kernel applies on the fly (None: no rotation).
+#[derive(Clone, Copy)]
+pub struct RopeTables<'a> {
+    pub cos: &'a Tensor,
+    pub sin: &'a Tensor,
+    pub interleaved: bool,
+}
+
+/// Writes one token's `k`, `v` (`[1, kv_heads, dim]`, k rotated on the way when `rope` is given)
+/// at position `pos` of the whole cache buffers `kc`, `vc` `[kv_heads, capacity, dim]`.
+pub fn kv_append(kc: &Tensor, vc: &Tensor, k: &Tensor, v: &Tensor, rope: Option<RopeTables<'_>>, pos: Pos<'_>) -> Result<bool> {
+    let Some((dev, sfx)) = on(k) else { return Ok(false) };
+    let (Ok((hkv, cap, dim)), Ok((one, hk, dk))) = (kc.dims3(), k.dims3()) else { return Ok(false) };
+    let same = |t: &Tensor| t.dtype() == k.dtype() && t.is_contiguous();
+    if one != 1 || hk != hkv || dk != dim || v.shape() != k.shape() || !same(v) || !same(kc) || !same(vc) || vc.shape() != kc.shape() {
+        return Ok(false);
+    }
+    if let Pos::Host(p) = pos {
+        if p >= cap {
+            candle_core::bail!("kv append at {p} beyond the reserved capacity {cap}")
+        }
+    }
+    let (cp, sp, inter) = match rope {
+        Some(r) if f32_on_device(r.cos) && f32_on_device(r.sin) => (ptr(r.cos)?, ptr(r.sin)?, r.interleaved),
+        Some(_) => return Ok(false),
+        None => (0, 0, false),
+    };
+    let (pp, ph) = pos_args(pos)?;
+    let block = (dim / 2).div_ceil(32).max(1) as u32 * 32;
+    launch!(
+        dev, &format!("fl_kv_append_{sfx}"), (hkv as u32, 1, 1), block,
+        ptr(k)?, ptr(v)?, ptr(kc)?, ptr(vc)?, cp, sp, pp, ph, dim as i32, cap as i32, inter as i32
+    );
+    Ok(true)
+}
+
+/// Single-query attention: `q [1, hq, dim]` (rotated first when `rope` is given) over `kc`, `vc`
+/// `[kv_heads, S, dim]` (token stride dim, any head stride: a narrowed cache view or the whole
+/// buffer). The query sits at `pos`; key j is at `key_start + j`. Returns `[1, hq·dim]`.
+pub struct DecodeAttention<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub rope: Option<RopeTables<'a>>,
+    pub pos: Pos<'a>,
+    pub key_start: usize,
+    pub params: &'a AttentionParams,
+}
+
+pub fn attend_decode(a: &DecodeAttention<'_>) -> Result<Option<Tensor>> {
+    let Some((dev, sfx)) = on(a.q) else { return Ok(None) };
+    let (Ok((one, hq, d)), Ok((hkv, s, dk))) = (a.q.dims3(), a.k.dims3()) else { return Ok(None) };
+    let (ks, vs) = (a.k.stride(), a.v.stride());
+    let ok = one == 1
+        && dk == d
+        && matches!(d, 64 | 128 | 256)
+        && hkv > 0
+        && hq % hkv == 0
+        && hq / hkv <= ATTN_MAX_G
+        && a.k.dtype() == a.q.dtype()
+        && a.v.dtype() == a.q.dtype()
+        && a.v.dims() == a.k.dims()
+        && ks[1] == d
+        && ks[2] == 1
+        && ks == vs
+        && cuda_device(a.k).is_some();
+    if !ok || s == 0 {
+        return Ok(None);
+    }
+    let (cp, sp, inter) = match a.rope {
+        Some(r) if f32_on_device(r.cos) && f32_on_device(r.sin) => (ptr(r.cos)?, ptr(r.sin)?, r.interleaved),
+        Some(_) => return Ok(None),
+        None => (0, 0, false),
+    };
+    let (pp, ph) = pos_args(a.pos)?;
+    let nsplit = s.div_ceil(ATTN_CHUNK);
+    let rows = hq * nsplit;
+    let part_m = alloc(&dev, rows, DType::F32)?;
+    let part_l = alloc(&dev, rows, DType::F32)?;
+    let part_acc = alloc(&dev, rows * d, DType::F32)?;
+    let p = a.params;
+    launch!(
+        dev, &format!("fl_attn_{sfx}_d{d}"), (hkv as u32, nsplit as u32, 1), 128,
+        ptr(a.q)?, ptr(a.k)?, ptr(a.v)?, cp, sp, pp, ph, (hq / hkv) as i32, ks[0] as i64,
+        a.key_start as i32, s as i32, p.window.unwrap_or(0) as i32, ATTN_CHUNK as i32, p.scale,
+        p.softcap.unwrap_or(0.0), inter as i32, ptr(&part_m)?, ptr(&part_l)?, ptr(&part_acc)?
+    );
+    let out = alloc(&dev, (1, hq * d), a.q.dtype())?;
+    launch!(
+        dev, &format!("fl_attn_combine_{sfx}"), (hq as u32, 1, 1), d as u32,
+        ptr(&part_m)?, ptr(&part_l)?, ptr(&part_acc)?, ptr(&out)?, nsplit as i32, d as i32
+    );
+    Ok(Some(out))
+}
+
+/// silu(gate) · up, elementwise.
+pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Option<Tensor>> {
+    let Some((dev, sfx)) = on(gate) else { return Ok(None) };
+    if up.shape() != gate.shape() || up.dtype() != gate.dtype() || !up.is_contiguous() {
+        return Ok(None);
+    }
+    let n = gate.elem_count();
+    let out = alloc(&dev, gate.shape().clone(), gate.dtype())?;
+    let grid = n.div_ceil(256).clamp(1, 8192) as u32;
+    launch!(dev, &format!("fl_silu_mul_{sfx}"), (grid, 1, 1), 256, ptr(gate)?, ptr(up)?, ptr(&out)?, n);
+    Ok(Some(out))
+}
+
+/// y = x Wᵀ for one bf16 row `x [1, K]` and bf16 `w [N, K]`: `[1, N]` bf16.
+pub fn gemv(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
+    if !policy().gemv || x.dtype() != DType::BF16 || w.dtype() != DType::BF16 || !w.is_contiguous() {
+        return Ok(None);
+    }
+    let Some((dev, _)) = on(x) else { return Ok(None) };
+    let (Ok((n, k)), Some(&kx)) = (w.dims2(), x.dims().last()) else { return Ok(None) };
+    if kx != k || x.elem_count() != k || k % 8 != 0 || cuda_device(w).is_none() {
+        return Ok(None);
+    }
+    let (xp, wp) = (ptr(x)?, ptr(w)?);
+    if xp % 16 != 0 || wp % 16 != 0 {
+        return Ok(None);
+    }
+    let mut dims = x.dims().to_vec();
+    *dims.last_mut().unwrap() = n;
+    let out = alloc(&dev, dims, DType::BF16)?;
+    let grid = n.div_ceil(8) as u32;
+    launch!(dev, "fl_gemv_bf16", (grid, 1, 1), 256, xp, wp, ptr(&out)?, n as i32, k as i32);
+    Ok(Some(out))
+}
+
+/// dst[0] = argmax of the f32 `logits` (first index on ties). Returns false when not applicable.
+pub fn argmax_into(logits: &Tensor, dst: &Tensor) -> Result<bool> {
+    if !policy().kernels || !f32_on_device(logits) || dst.dtype() != DType::U32 || cuda_device(dst).is_none() {
+        return Ok(false);
+    }
+    let dev = cuda_device(logits).unwrap();
+    launch!(dev, "fl_argmax_f32", (1, 1, 1), 1024, ptr(logits)?, ptr(dst)?, logits.elem_count() as i32);
+    Ok(true)
+}
+
+/// p[0] += 1 for a one-element u32 device tensor. Returns false when not applicable.
+pub fn increment(p: &Tensor) -> Result<bool> {
+    let Some(dev) = cuda_device(p) else { return Ok(false) };
+    if p.dtype() != DType::U32 || p.elem_count() != 1 {
+        return Ok(false);
+    }
+    launch!(dev, "fl_increment_u32", (1, 1, 1), 32, ptr(p)?);
+    Ok(true)
+}

@@ -1,0 +1,151 @@
+//! Checks of ferrolm's CUDA kernels against candle compositions on the device, on fresh random
+//! data each run (`ferrolm gpu-check` runs them on the GPU machine). Each check reports the
+//! largest relative error (max |got − want| / max |want|) and its bound, or an exact comparison.
+
+use super::ops::{self, DecodeAttention, RopeTables};
+use super::Pos;
+use crate::attention::{attend_generic, AttentionParams, Positions};
+use crate::rope::{Rope, RopeStyle};
+use candle_core::{DType, Device, Result, Tensor};
+
+pub struct Check {
+    pub name: String,
+    pub error: f64,
+    pub bound: f64,
+}
+
+impl Check {
+    pub fn passed(&self) -> bool {
+        self.error.is_finite() && self.error <= self.bound
+    }
+}
+
+fn rel(got: &Tensor, want: &Tensor) -> Result<f64> {
+    let got = got.to_dtype(DType::F32)?.flatten_all()?;
+    let want = want.to_dtype(DType::F32)?.flatten_all()?;
+    let diff = (got - &want)?.abs()?.max(0)?.to_scalar::<f32>()? as f64;
+    let scale = want.abs()?.max(0)?.to_scalar::<f32>()? as f64;
+    Ok(diff / scale.max(1e-30))
+}
+
+fn randn(shape: impl Into<candle_core::Shape>, dtype: DType, dev: &Device) -> Result<Tensor> {
+    Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(dtype)
+}
+
+fn need<T>(x: Option<T>, what: &str) -> Result<T> {
+    x.ok_or_else(|| candle_core::Error::Msg(format!("{what}: the kernel declined its inputs")))
+}
+
+/// Runs every check on `dev` (a CUDA device).
+pub fn run(dev: &Device) -> Result<Vec<Check>> {
+    let mut out = Vec::new();
+    let bf = DType::BF16;
+    for cols in [576, 4096] {
+        let x = randn((5, cols), bf, dev)?;
+        let r = randn((5, cols), bf, dev)?;
+        let w = (randn(cols, DType::F32, dev)? + 1.0)?;
+        let got = need(ops::rms_norm(&x, &w, 1e-5)?, "rms_norm")?;
+        let want = candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?, &w, 1e-5)?;
+        out.push(Check { name: format!("rmsnorm bf16 cols={cols}"), error: rel(&got, &want)?, bound: 1e-2 });
+        let (sum, normed) = need(ops::add_rms_norm(&x, &r, &w, 1e-5)?, "add_rms_norm")?;
+        let want_sum = (&x + &r)?;
+        out.push(Check { name: format!("add+rmsnorm sum cols={cols}"), error: rel(&sum, &want_sum)?, bound: 1e-2 });
+        let want = candle_nn::ops::rms_norm(&sum.to_dtype(DType::F32)?, &w, 1e-5)?;
+        out.push(Check { name: format!("add+rmsnorm norm cols={cols}"), error: rel(&normed, &want)?, bound: 1e-2 });
+    }
+    for style in [RopeStyle::HalfSplit, RopeStyle::Interleaved] {
+        let rope = Rope::new(style, 128, 500000.0, 4096, None, dev)?;
+        let x = randn((3, 8, 128), bf, dev)?;
+        let got = rope.apply(&x, 1000)?;
+        let want = rope.apply_generic(&x.to_dtype(DType::F32)?, 1000)?;
+        out.push(Check { name: format!("rope {style:?} host pos"), error: rel(&got, &want)?, bound: 1e-2 });
+        let one = x.narrow(0, 0, 1)?;
+        let pos = Tensor::new(&[1000u32], dev)?;
+        let at = rope.apply_at(&one, &pos)?;
+        let host = rope.apply(&one, 1000)?;
+        out.push(Check { name: format!("rope {style:?} device pos = host pos (exact)"), error: rel(&at, &host)?, bound: 0.0 });
+    }
+    for (hq, hkv, d, s, window) in [(32, 8, 128, 1500, None), (9, 3, 64, 300, None), (32, 8, 64, 700, Some(256)), (8, 8, 256, 40, None)] {
+        out.extend(check_attention(dev, hq, hkv, d, s, window)?);
+    }
+    let g = randn((1, 11008), bf, dev)?;
+    let u = randn((1, 11008), bf, dev)?;
+    let got = need(ops::silu_mul(&g, &u)?, "silu_mul")?;
+    let gf = g.to_dtype(DType::F32)?;
+    let want = (candle_nn::ops::silu(&gf)? * u.to_dtype(DType::F32)?)?;
+    out.push(Check { name: "silu*mul bf16".into(), error: rel(&got, &want)?, bound: 1e-2 });
+    for (n, k) in [(576, 576), (2048, 8192), (4096, 4096), (128256, 2048), (1000, 24)] {
+        let x = randn((1, k), bf, dev)?;
+        let w = (randn((n, k), bf, dev)? * 0.05)?.to_dtype(bf)?;
+        let got = need(ops::gemv(&x, &w)?, "gemv")?;
+        let want = x.to_dtype(DType::F32)?.matmul(&w.to_dtype(DType::F32)?.t()?)?;
+        out.push(Check { name: format!("gemv bf16 {n}x{k}"), error: rel(&got, &want)?, bound: 1e-2 });
+    }
+    let logits = randn(128256, DType::F32, dev)?;
+    let dst = Tensor::zeros(1, DType::U32, dev)?;
+    crate::ops::argmax_into(&logits, &dst)?;
+    let want = logits.argmax(0)?.to_scalar::<u32>()?;
+    let got = dst.to_vec1::<u32>()?[0];
+    out.push(Check { name: "argmax (exact)".into(), error: (got != want) as u8 as f64, bound: 0.0 });
+    out.push(check_graph(dev)?);
+    Ok(out)
+}
+
+/// Decode attention (host position, over a narrowed view) against the reference composition,
+/// and the device-position step over the whole buffer against the host-position one (exact).
+fn check_attention(dev: &Device, hq: usize, hkv: usize, d: usize, s: usize, window: Option<usize>) -> Result<Vec<Check>> {
+    let bf = DType::BF16;
+    let cap = s + 300;
+    let p = AttentionParams { scale: (d as f32).powf(-0.5), window, softcap: None };
+    let kc = randn((hkv, cap, d), bf, dev)?;
+    let vc = randn((hkv, cap, d), bf, dev)?;
+    let q = randn((1, hq, d), bf, dev)?;
+    let (k, v) = (kc.narrow(1, 0, s)?, vc.narrow(1, 0, s)?);
+    let pos = Positions { query_start: s - 1, key_start: 0 };
+    let got = crate::attention::attend(&q, &k, &v, pos, &p)?;
+    let f = |t: &Tensor| t.to_dtype(DType::F32);
+    let want = attend_generic(&f(&q)?, &f(&k)?, &f(&v)?, pos, &p)?;
+    let name = format!("attention hq={hq} hkv={hkv} d={d} s={s} window={window:?}");
+    let mut checks = vec![Check { name: name.clone(), error: rel(&got, &want)?, bound: 2e-2 }];
+
+    // Static step: append token s-1 (rotated) into a copy of the buffer and attend at a device
+    // position; compare with rope + host-position attention over the same keys.
+    let rope = Rope::new(RopeStyle::HalfSplit, d, 10000.0, cap + 1, None, dev)?;
+    let (cos, sin, interleaved) = rope.tables();
+    let tables = RopeTables { cos, sin, interleaved };
+    let kn = randn((1, hkv, d), bf, dev)?;
+    let vn = randn((1, hkv, d), bf, dev)?;
+    let (kc2, vc2) = (kc.copy()?, vc.copy()?);
+    let posd = Tensor::new(&[(s - 1) as u32], dev)?;
+    need(ops::kv_append(&kc2, &vc2, &kn, &vn, Some(tables), Pos::Device(&posd))?.then_some(()), "kv_append")?;
+    let a = DecodeAttention { q: &q, k: &kc2, v: &vc2, rope: Some(tables), pos: Pos::Device(&posd), key_start: 0, params: &p };
+    let got_static = need(ops::attend_decode(&a)?, "attend_decode static")?;
+    let (kc3, vc3) = (kc.copy()?, vc.copy()?);
+    kc3.slice_set(&rope.apply(&kn, s - 1)?.transpose(0, 1)?.contiguous()?, 1, s - 1)?;
+    vc3.slice_set(&vn.transpose(0, 1)?.contiguous()?, 1, s - 1)?;
+    let host = crate::attention::attend(&rope.apply(&q, s - 1)?, &kc3.narrow(1, 0, s)?, &vc3.narrow(1, 0, s)?, pos, &p)?;
+    checks.push(Check { name: format!("{name} device pos = host pos (exact)"), error: rel(&got_static, &host)?, bound: 0.0 });
+    let written = rel(&kc2.narrow(1, s - 1, 1)?, &kc3.narrow(1, s - 1, 1)?)?;
+    checks.push(Check { name: format!("kv append d={d} (exact)"), error: written, bound: 0.0 });
+    Ok(checks)
+}
+
+/// A captured graph of (y = x·2, p += 1) replayed three times: p advanced by 3, y written each time.
+fn check_graph(dev: &Device) -> Result<Check> {
+    let x = randn((4, 64), DType::F32, dev)?;
+    let y = Tensor::zeros((4, 64), DType::F32, dev)?;
+    let p = Tensor::zeros(1, DType::U32, dev)?;
+    let mut step = || -> Result<()> {
+        let t = (&x * 2.0)?;
+        y.slice_set(&t, 0, 0)?;
+        crate::ops::increment(&p)
+    };
+    crate::graph::warm_up(dev, &mut step)?;
+    let g = crate::graph::capture(dev, &mut step)?;
+    for _ in 0..3 {
+        g.replay()?;
+    }
+    let n = p.to_vec1::<u32>()?[0];
+    let err = rel(&y, &(&x * 2.0)?)? + (n != 4) as u8 as f64;
+    Ok(Check { name: "graph capture + replay (exact)".into(), error: err, bound: 0.0 })
+}

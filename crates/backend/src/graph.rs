@@ -1,0 +1,92 @@
+//! Fixed-shape steps recorded once and replayed (CUDA graphs), and token ids read back without
+//! stalling the queue. Device-agnostic: on devices without graphs, [`capture`] reports that and
+//! the caller runs its step eagerly; [`TokenReader`] reads at once.
+
+use candle_core::{Device, Result, Tensor};
+
+/// A captured step.
+pub struct StepGraph {
+    #[cfg(feature = "cuda")]
+    graph: candle_core::cuda_backend::cudarc::driver::CudaGraph,
+}
+
+/// Whether steps on `device` can be captured.
+pub fn supported(device: &Device) -> bool {
+    cfg!(feature = "cuda") && matches!(device, Device::Cuda(_))
+}
+
+/// Runs `f` as the warm-up before a capture (on CUDA: with candle's host-to-device cache on, so
+/// every small upload the step makes is kept for the capture to reuse).
+pub fn warm_up(device: &Device, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => crate::cuda::graph::warm_up(d, f),
+        _ => f(),
+    }
+}
+
+/// Records `f` without running it. Fails on devices without graphs, or when `f` does anything a
+/// capture cannot hold (a host copy, a synchronization, an upload the warm-up did not make); the
+/// device is then as before and the caller runs the step eagerly.
+pub fn capture(device: &Device, f: &mut dyn FnMut() -> Result<()>) -> Result<StepGraph> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => Ok(StepGraph { graph: crate::cuda::graph::capture(d, f)? }),
+        _ => {
+            let _ = f;
+            candle_core::bail!("no step graphs on {device:?}")
+        }
+    }
+}
+
+impl StepGraph {
+    /// Queues one replay of the captured step.
+    pub fn replay(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        return crate::cuda::graph::replay(&self.graph);
+        #[cfg(not(feature = "cuda"))]
+        candle_core::bail!("no step graphs in this build")
+    }
+}
+
+/// Reads one-element u32 tensors (sampled token ids) back to the host: `queue` starts the copy
+/// behind the work already queued, `wait` returns it. Two slots, so that step n's token can be
+/// read while step n+1 runs.
+pub struct TokenReader {
+    #[cfg(feature = "cuda")]
+    cuda: Option<crate::cuda::graph::TokenReader>,
+    ready: [u32; 2],
+}
+
+impl TokenReader {
+    pub fn new(device: &Device) -> Result<Self> {
+        Ok(Self {
+            #[cfg(feature = "cuda")]
+            cuda: match device {
+                Device::Cuda(d) => Some(crate::cuda::graph::TokenReader::new(d)?),
+                _ => None,
+            },
+            ready: [0; 2],
+        })
+        .inspect(|_: &Self| {
+            let _ = device;
+        })
+    }
+
+    pub fn queue(&mut self, t: &Tensor, slot: usize) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &mut self.cuda {
+            return c.queue(t, slot);
+        }
+        self.ready[slot] = t.flatten_all()?.to_vec1::<u32>()?[0];
+        Ok(())
+    }
+
+    pub fn wait(&mut self, slot: usize) -> Result<u32> {
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &mut self.cuda {
+            return c.wait(slot);
+        }
+        Ok(self.ready[slot])
+    }
+}

@@ -1,0 +1,86 @@
+//! Small fused elementwise ops: one pass and one allocation instead of several candle ops.
+
+use crate::cpu::math;
+use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor};
+
+/// silu(gate) · up, elementwise (the SwiGLU of llama-family MLPs).
+pub fn silu_mul(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
+    let cpu_f32 = matches!(gate.device(), Device::Cpu) && gate.dtype() == DType::F32 && up.dtype() == DType::F32;
+    if cpu_f32 && gate.shape() == up.shape() {
+        return gate.contiguous()?.apply_op2_no_bwd(&up.contiguous()?, &SiluMul);
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(y) = crate::cuda::ops::silu_mul(&gate.contiguous()?, &up.contiguous()?)? {
+        return Ok(y);
+    }
+    candle_nn::ops::silu(gate)? * up
+}
+
+/// `dst[0]` ← the index of the largest of `logits` (first on ties), in place: a greedy token
+/// that stays on the device (a captured step feeds it to the next one). `dst` is a one-element
+/// u32 tensor on the logits' device.
+pub fn argmax_into(logits: &Tensor, dst: &Tensor) -> candle_core::Result<()> {
+    let logits = logits.flatten_all()?.to_dtype(DType::F32)?.contiguous()?;
+    #[cfg(feature = "cuda")]
+    if crate::cuda::ops::argmax_into(&logits, dst)? {
+        return Ok(());
+    }
+    let best = logits.argmax(0)?.reshape(1)?;
+    dst.slice_set(&best, 0, 0)
+}
+
+/// `p[0] += 1` in place for a one-element u32 tensor (the position of a captured decode step).
+pub fn increment(p: &Tensor) -> candle_core::Result<()> {
+    #[cfg(feature = "cuda")]
+    if crate::cuda::ops::increment(p)? {
+        return Ok(());
+    }
+    let next = p.affine(1.0, 1.0)?;
+    p.slice_set(&next, 0, 0)
+}
+
+struct SiluMul;
+
+impl CustomOp2 for SiluMul {
+    fn name(&self) -> &'static str {
+        "silu-mul"
+    }
+
+    fn cpu_fwd(&self, a: &CpuStorage, al: &Layout, b: &CpuStorage, bl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F32(a), CpuStorage::F32(b)) = (a, b) else { candle_core::bail!("silu-mul: expected f32") };
+        let n = al.shape().elem_count();
+        let a = &a[al.start_offset()..al.start_offset() + n];
+        let b = &b[bl.start_offset()..bl.start_offset() + n];
+        let out = a.iter().zip(b).map(|(g, u)| math::silu(*g) * u).collect();
+        Ok((CpuStorage::F32(out), al.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argmax_and_increment_write_in_place() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let logits = Tensor::new(&[0.5f32, 3.0, -1.0, 3.0], &dev)?;
+        let dst = Tensor::zeros(1, DType::U32, &dev)?;
+        argmax_into(&logits, &dst)?;
+        assert_eq!(dst.to_vec1::<u32>()?, [1]);
+        increment(&dst)?;
+        increment(&dst)?;
+        assert_eq!(dst.to_vec1::<u32>()?, [3]);
+        Ok(())
+    }
+
+    #[test]
+    fn silu_mul_equals_candle() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let g = (Tensor::randn(0f32, 1.0, (3, 40), &dev)? * 4.0)?;
+        let u = Tensor::randn(0f32, 1.0, (3, 40), &dev)?;
+        let want = (candle_nn::ops::silu(&g)? * &u)?;
+        let diff = (silu_mul(&g, &u)? - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "{diff}");
+        Ok(())
+    }
+}

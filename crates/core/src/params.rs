@@ -50,7 +50,8 @@ impl Default for SamplingParams {
             frequency_context_size: 20,
             logit_bias: Vec::new(),
             xtc_probability: 0.0,
-            xtc_threshold: 0.0,
+            // mlx_lm.server's default when the request gives none (`body.get("xtc_threshold", 0.1)`).
+            xtc_threshold: 0.1,
             seed: None,
             logprobs: None,
         }

@@ -1,7 +1,7 @@
 //! A model ready to serve: weights on a device, tokenizer, chat template and EOS ids.
 
 use ferrolm_backend::parse_device;
-use ferrolm_models::{paths, CausalLm, ModelSource};
+use ferrolm_models::{paths, CausalLm, GenerationConfig, ModelSource};
 use ferrolm_text::{ChatTemplate, RenderOptions, Tokenizer, TokenizerSpec};
 use std::path::{Path, PathBuf};
 
@@ -17,7 +17,11 @@ pub struct Bundle {
     pub model: Box<dyn CausalLm>,
     pub tokenizer: Tokenizer,
     pub template: Option<ChatTemplate>,
+    /// The tokenizer's EOS ids plus `generation_config.json`'s `eos_token_id`s.
     pub eos_ids: Vec<u32>,
+    /// Sampling defaults from `generation_config.json` (empty for GGUF files): they sit between
+    /// the server's built-in defaults and a request's own values.
+    pub generation: GenerationConfig,
 }
 
 /// Loads `path` (or the default model) on `device` (`auto`, `cpu`, `cuda[:N]`).
@@ -36,15 +40,29 @@ pub fn load(path: Option<&Path>, device: &str) -> Result<Bundle, BundleError> {
         ModelSource::Gguf(f) => {
             TokenizerSpec::from_gguf_metadata(f.metadata()).and_then(|s| Tokenizer::from_spec(&s))
         }
+        ModelSource::HfDir(m) => Tokenizer::from_hf_dir(m.dir()),
     }
     .map_err(|e| BundleError(format!("{}: tokenizer: {e}", path.display())))?;
     let model = ferrolm_models::load(&source, &device).map_err(|e| BundleError(e.to_string()))?;
     let template = ChatTemplate::from_tokenizer(&tokenizer).ok();
-    let eos_ids = tokenizer.eos_ids().to_vec();
-    let name = path
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let generation = match &source {
+        ModelSource::HfDir(m) => m.generation.clone(),
+        ModelSource::Gguf(_) => GenerationConfig::default(),
+    };
+    let mut eos_ids = tokenizer.eos_ids().to_vec();
+    for id in &generation.eos_token_ids {
+        if !eos_ids.contains(id) {
+            eos_ids.push(*id);
+        }
+    }
+    // A folder's name is its model name ("Qwen2.5-0.5B" has no extension to strip).
+    let name = if path.is_dir() {
+        path.file_name()
+    } else {
+        path.file_stem()
+    }
+    .map(|s| s.to_string_lossy().into_owned())
+    .unwrap_or_default();
     Ok(Bundle {
         path,
         name,
@@ -52,6 +70,7 @@ pub fn load(path: Option<&Path>, device: &str) -> Result<Bundle, BundleError> {
         tokenizer,
         template,
         eos_ids,
+        generation,
     })
 }
 

@@ -81,7 +81,7 @@ mod tests {
     #[test]
     fn snapshot_boundary_splits_a_chunk() {
         let p = plan_prefill(0, 100, 64, Some(40));
-        assert_eq!(lens(&p), vec![40, 24, 35, 1]);
+        assert_eq!(lens(&p), vec![40, 59, 1]);
         assert!(p[0].snapshot_after && !p[1].snapshot_after);
         let full = plan_prefill(0, 100, 64, Some(100));
         assert!(full.last().unwrap().snapshot_after);

@@ -2,9 +2,11 @@
 //! (the engine) owns the caches.
 
 mod plain;
+mod rotating;
 mod seq;
 
 pub use plain::PlainCache;
+pub use rotating::RotatingCache;
 pub use seq::SeqCache;
 
 use candle_core::{Result, Tensor};
@@ -25,7 +27,16 @@ pub trait KvCache: Send {
     fn offset(&self) -> usize;
     /// Whether `trim` can remove tokens from the end.
     fn is_trimmable(&self) -> bool;
-    /// Removes up to `n` tokens from the end; returns how many were removed.
+    /// How many tokens `trim` can remove exactly right now (all of them when trimmable; a
+    /// sliding-window cache that evicted tokens can still drop its newest ones).
+    fn max_trim(&self) -> usize {
+        if self.is_trimmable() {
+            self.offset()
+        } else {
+            0
+        }
+    }
+    /// Removes up to `n` tokens from the end (at most `max_trim`); returns how many were removed.
     fn trim(&mut self, n: usize) -> usize;
     /// Names the scheme: `kv:plain`, `kv:rotating`, …
     fn signature(&self) -> String;

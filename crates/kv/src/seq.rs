@@ -27,8 +27,20 @@ impl SeqCache {
         self.layers.iter().all(|l| l.is_trimmable())
     }
 
+    /// How many tokens every layer can trim exactly.
+    pub fn max_trim(&self) -> usize {
+        self.layers.iter().map(|l| l.max_trim()).min().unwrap_or(0)
+    }
+
+    /// Removes the same number of tokens, at most `n` and at most `max_trim`, from every layer
+    /// (so the layers stay aligned); returns that number.
     pub fn trim(&mut self, n: usize) -> usize {
-        self.layers.iter_mut().map(|l| l.trim(n)).min().unwrap_or(0)
+        let n = n.min(self.max_trim());
+        for l in &mut self.layers {
+            let removed = l.trim(n);
+            debug_assert_eq!(removed, n, "{} trimmed {removed} of {n}", l.signature());
+        }
+        n
     }
 
     pub fn bytes_per_token(&self) -> usize {

@@ -2,14 +2,19 @@
 //! shared layers, loaders and a single registry. Models are stateless about caching: they write
 //! through the caches the caller passes in.
 
+pub mod config;
+pub mod gemma3;
 pub mod layers;
 pub mod llama;
 pub mod loader;
 mod model;
 pub mod paths;
+pub mod qwen2;
 pub mod registry;
 
+pub use config::{GenerationConfig, HfConfig};
 pub use loader::gguf::GgufFile;
+pub use loader::safetensors::HfModel;
 pub use model::{CausalLm, ModelInfo, SeqInput};
 pub use registry::{load, ModelSource};
 

@@ -8,7 +8,7 @@ use crate::{CausalLm, ModelInfo, SeqInput};
 use candle_core::{DType, Device, Result, Tensor};
 use ferrolm_backend::norm::RmsNorm;
 use ferrolm_backend::{AttentionParams, Linear, Rope, RopeStyle};
-use ferrolm_kv::{KvCache, PlainCache, SeqCache};
+use ferrolm_kv::{KvCache, PlainCache, RotatingCache, SeqCache};
 use std::sync::Arc;
 
 /// Hyper-parameters, named as in Hugging Face `config.json`.
@@ -26,6 +26,9 @@ pub struct LlamaConfig {
     pub rope_theta: f64,
     pub max_position_embeddings: usize,
     pub rope_style: RopeStyle,
+    /// Per layer, the sliding window (keys fewer than this many positions back) of a windowed
+    /// layer (Mistral); empty when no layer has one.
+    pub layer_windows: Vec<Option<usize>>,
 }
 
 impl LlamaConfig {
@@ -66,6 +69,7 @@ impl LlamaConfig {
             } else {
                 RopeStyle::HalfSplit
             },
+            layer_windows: Vec::new(),
             architecture: arch,
         })
     }
@@ -164,7 +168,7 @@ fn load_layer(
             head_dim: cfg.head_dim,
             params: AttentionParams {
                 scale: (cfg.head_dim as f32).powf(-0.5),
-                window: None,
+                window: cfg.layer_windows.get(i).copied().flatten(),
                 softcap: None,
             },
         },
@@ -195,13 +199,20 @@ impl CausalLm for Llama {
     fn make_cache(&self) -> SeqCache {
         let c = &self.cfg;
         let layers = (0..c.num_hidden_layers)
-            .map(|_| {
-                Box::new(PlainCache::new(
+            .map(|i| match c.layer_windows.get(i).copied().flatten() {
+                Some(w) => Box::new(RotatingCache::new(
+                    c.num_key_value_heads,
+                    c.head_dim,
+                    w,
+                    DType::F32,
+                    &self.device,
+                )) as Box<dyn KvCache>,
+                None => Box::new(PlainCache::new(
                     c.num_key_value_heads,
                     c.head_dim,
                     DType::F32,
                     &self.device,
-                )) as Box<dyn KvCache>
+                )) as Box<dyn KvCache>,
             })
             .collect();
         SeqCache::new(layers)

@@ -1,20 +1,39 @@
-//! The one place that maps an architecture name to its implementation.
+//! The one place that maps an architecture name to its implementation. GGUF files name it in
+//! `general.architecture`, Hugging Face folders in `config.json`'s `model_type`.
 
+use crate::config::llama_family;
+use crate::gemma3::{Gemma3, Gemma3Config};
 use crate::llama::{Llama, LlamaConfig};
 use crate::loader::gguf::GgufFile;
-use crate::{CausalLm, LoadError, Result};
+use crate::loader::safetensors::HfModel;
+use crate::{qwen2, CausalLm, LoadError, Result};
 use candle_core::Device;
 use std::path::Path;
 
 /// A model on disk, opened and validated but not yet loaded onto a device.
 pub enum ModelSource {
+    /// A `.gguf` file.
     Gguf(GgufFile),
+    /// A Hugging Face folder: config.json, safetensors weights, tokenizer files.
+    HfDir(HfModel),
 }
 
+type Loader = fn(&ModelSource, &Device) -> Result<Box<dyn CausalLm>>;
+
+/// Architecture name (GGUF or `model_type`) → loader. `SUPPORTED` lists the names.
+const ARCHITECTURES: &[(&str, Loader)] = &[
+    ("llama", load_llama),
+    ("mistral", load_llama),
+    ("qwen2", load_qwen2),
+    ("gemma3", load_gemma3),
+    ("gemma3_text", load_gemma3),
+];
+
 /// Architectures this build can run.
-pub const SUPPORTED: &[&str] = &["llama", "qwen2"];
+pub const SUPPORTED: &[&str] = &["llama", "mistral", "qwen2", "gemma3", "gemma3_text"];
 
 impl ModelSource {
+    /// A directory is a Hugging Face folder; anything else is read as GGUF.
     pub fn open(path: &Path) -> Result<Self> {
         if !path.exists() {
             return Err(LoadError::File {
@@ -22,28 +41,82 @@ impl ModelSource {
                 message: "no such file or directory".into(),
             });
         }
+        if path.is_dir() {
+            return Ok(ModelSource::HfDir(HfModel::open(path)?));
+        }
         Ok(ModelSource::Gguf(GgufFile::open(path)?))
     }
 
     pub fn architecture(&self) -> Result<String> {
         match self {
             ModelSource::Gguf(f) => f.architecture(),
+            ModelSource::HfDir(m) => m.architecture(),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        match self {
+            ModelSource::Gguf(f) => f.path(),
+            ModelSource::HfDir(m) => m.dir(),
         }
     }
 }
 
-/// Builds the model for `source` on `device`.
+/// Builds the model for `source` on `device`; an architecture without an implementation is an
+/// error naming it.
 pub fn load(source: &ModelSource, device: &Device) -> Result<Box<dyn CausalLm>> {
     let arch = source.architecture()?;
-    match (source, arch.as_str()) {
-        (ModelSource::Gguf(f), "llama" | "qwen2") => Ok(Box::new(Llama::load(
-            LlamaConfig::from_gguf(f)?,
-            f,
-            device,
-        )?)),
-        _ => Err(LoadError::UnsupportedArchitecture(
-            arch,
-            SUPPORTED.join(", "),
-        )),
+    let loader = ARCHITECTURES
+        .iter()
+        .find(|(name, _)| *name == arch)
+        .map(|(_, l)| l)
+        .ok_or_else(|| LoadError::UnsupportedArchitecture(arch.clone(), SUPPORTED.join(", ")))?;
+    loader(source, device)
+}
+
+fn load_llama(source: &ModelSource, device: &Device) -> Result<Box<dyn CausalLm>> {
+    Ok(Box::new(match source {
+        ModelSource::Gguf(f) => Llama::load(LlamaConfig::from_gguf(f)?, f, device)?,
+        ModelSource::HfDir(m) => Llama::load(llama_family(&m.config)?, m, device)?,
+    }))
+}
+
+fn load_qwen2(source: &ModelSource, device: &Device) -> Result<Box<dyn CausalLm>> {
+    Ok(Box::new(match source {
+        ModelSource::Gguf(f) => qwen2::load(qwen2::config_from_gguf(f)?, f, device)?,
+        ModelSource::HfDir(m) => qwen2::load(qwen2::config_from_hf(&m.config)?, m, device)?,
+    }))
+}
+
+fn load_gemma3(source: &ModelSource, device: &Device) -> Result<Box<dyn CausalLm>> {
+    Ok(Box::new(match source {
+        ModelSource::Gguf(f) => Gemma3::load(Gemma3Config::from_gguf(f)?, f, device)?,
+        ModelSource::HfDir(m) => Gemma3::load(Gemma3Config::from_hf(&m.config)?, m, device)?,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_listed_architecture_has_a_loader() {
+        let names: Vec<&str> = ARCHITECTURES.iter().map(|(n, _)| *n).collect();
+        assert_eq!(names, SUPPORTED);
+    }
+
+    #[test]
+    fn an_unsupported_model_type_is_an_error_naming_it() {
+        let dir = std::env::temp_dir().join(format!("ferrolm-registry-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), r#"{"model_type": "phi3"}"#).unwrap();
+        // An empty safetensors file: header length 8, header `{}` padded with spaces.
+        let mut st = 8u64.to_le_bytes().to_vec();
+        st.extend(b"{}      ");
+        std::fs::write(dir.join("model.safetensors"), st).unwrap();
+        let source = ModelSource::open(&dir).unwrap();
+        let err = load(&source, &Device::Cpu).err().unwrap().to_string();
+        std::fs::remove_dir_all(&dir).ok();
+        assert!(err.contains("\"phi3\"") && err.contains("gemma3"), "{err}");
     }
 }

@@ -19,11 +19,12 @@ pub struct GatedMlp {
 impl GatedMlp {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let gate = self.gate.forward(x)?;
-        let gate = match self.activation {
-            Activation::Silu => candle_nn::ops::silu(&gate)?,
-            Activation::GeluTanh => gate.gelu()?,
+        let up = self.up.forward(x)?;
+        let hidden = match self.activation {
+            Activation::Silu => ferrolm_backend::ops::silu_mul(&gate, &up)?,
+            Activation::GeluTanh => (gate.gelu()? * up)?,
         };
-        self.down.forward(&(gate * self.up.forward(x)?)?)
+        self.down.forward(&hidden)
     }
 
     pub fn weight_bytes(&self) -> usize {

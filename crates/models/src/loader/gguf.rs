@@ -40,7 +40,8 @@ impl GgufFile {
         // SAFETY: the file is opened read-only and treated as immutable for the model's lifetime.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| err(e.to_string()))?;
         let content = Content::read(&mut std::io::Cursor::new(&mmap[..]))
-            .map_err(|e| err(format!("not a valid GGUF file: {e}")))?;
+            // First line only: candle appends a backtrace when RUST_BACKTRACE is set.
+            .map_err(|e| err(format!("not a valid GGUF file: {}", e.to_string().lines().next().unwrap_or(""))))?;
         let this = Self {
             path: path.to_path_buf(),
             content,

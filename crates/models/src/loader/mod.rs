@@ -1,4 +1,5 @@
 pub mod gguf;
+pub mod safetensors;
 
 use crate::Result;
 use candle_core::{Device, Tensor};
@@ -12,6 +13,8 @@ pub trait WeightSource {
     /// A small tensor (norms, biases) as f32.
     fn tensor(&self, name: &str, device: &Device) -> Result<Tensor>;
     fn has(&self, name: &str) -> bool;
+    /// The file or folder the tensors come from (for error messages).
+    fn origin(&self) -> String;
 
     fn opt_tensor(&self, name: &str, device: &Device) -> Result<Option<Tensor>> {
         if self.has(name) {
@@ -31,5 +34,8 @@ impl WeightSource for gguf::GgufFile {
     }
     fn has(&self, name: &str) -> bool {
         self.has_tensor(name)
+    }
+    fn origin(&self) -> String {
+        self.path().display().to_string()
     }
 }

@@ -1,0 +1,348 @@
+//! Gemma 3 (text): local sliding-window layers interleaved with global layers, separate RoPE
+//! bases for the two kinds, per-head q/k RMSNorm, "sandwich" norms around attention and MLP,
+//! embeddings scaled by sqrt(hidden), GELU-tanh gated MLP, head_dim independent of hidden/heads,
+//! tied output head. Local layers use the rotating cache (`kv:rotating`), global ones the plain
+//! cache.
+//!
+//! Norm weights are used as GGUF stores them, with Gemma's `1 + w` already folded in; the
+//! safetensors loader adds the 1 to checkpoint weights.
+
+use crate::config::HfConfig;
+use crate::layers::{self, Activation, Embedding, GatedMlp, SelfAttention, SelfAttentionConfig};
+use crate::loader::{gguf::GgufFile, WeightSource};
+use crate::{CausalLm, ModelInfo, SeqInput};
+use candle_core::{DType, Device, Result, Tensor};
+use ferrolm_backend::norm::RmsNorm;
+use ferrolm_backend::{AttentionParams, Linear, Rope, RopeStyle};
+use ferrolm_kv::{KvCache, PlainCache, RotatingCache, SeqCache};
+use std::sync::Arc;
+
+/// Hyper-parameters, named as in Hugging Face `Gemma3TextConfig`.
+#[derive(Clone, Debug)]
+pub struct Gemma3Config {
+    pub architecture: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    /// RoPE base of the global layers.
+    pub rope_theta: f64,
+    /// RoPE base of the local (sliding-window) layers.
+    pub rope_local_base_freq: f64,
+    /// Linear RoPE scaling factor of the global layers (Gemma 3 4B and larger use 8).
+    pub rope_scaling_factor: Option<f64>,
+    /// Queries are scaled by `query_pre_attn_scalar^-0.5`.
+    pub query_pre_attn_scalar: f64,
+    pub sliding_window: usize,
+    /// Per layer: true for a local (sliding-window) layer.
+    pub sliding_layers: Vec<bool>,
+    pub max_position_embeddings: usize,
+    pub attn_logit_softcapping: Option<f64>,
+    pub final_logit_softcapping: Option<f64>,
+}
+
+/// Every `pattern`-th layer is global (layers 5, 11, 17… for 6), the rest local.
+fn pattern_layers(layers: usize, pattern: usize) -> Vec<bool> {
+    (0..layers)
+        .map(|i| pattern == 0 || (i + 1) % pattern != 0)
+        .collect()
+}
+
+impl Gemma3Config {
+    /// Reads `gemma3.*` GGUF metadata. llama.cpp hard-codes what the GGUF does not record: the
+    /// local RoPE base 10000, the 5-local-1-global pattern, and the query scale
+    /// 1/sqrt(head_dim) (1/sqrt(hidden/heads) for the 27B model).
+    pub fn from_gguf(f: &GgufFile) -> crate::Result<Self> {
+        let arch = f.architecture()?;
+        let key = |k: &str| format!("{arch}.{k}");
+        let hidden = f.u32(&key("embedding_length"))? as usize;
+        let heads = f.u32(&key("attention.head_count"))? as usize;
+        let layers = f.u32(&key("block_count"))? as usize;
+        let head_dim = f
+            .opt_u32(&key("attention.key_length"))
+            .map_or(hidden / heads, |v| v as usize);
+        let vocab = f
+            .metadata()
+            .get("tokenizer.ggml.tokens")
+            .and_then(|v| v.to_vec().ok().map(|v| v.len()))
+            .unwrap_or(0);
+        let scaling = match f.str(&key("rope.scaling.type")).ok() {
+            Some("linear") => f.opt_f32(&key("rope.scaling.factor")).map(|x| x as f64),
+            _ => None,
+        };
+        let query_pre_attn_scalar = if layers == 62 {
+            (hidden / heads) as f64
+        } else {
+            head_dim as f64
+        };
+        Ok(Self {
+            architecture: arch.clone(),
+            vocab_size: vocab,
+            hidden_size: hidden,
+            intermediate_size: f.u32(&key("feed_forward_length"))? as usize,
+            num_hidden_layers: layers,
+            num_attention_heads: heads,
+            num_key_value_heads: f
+                .opt_u32(&key("attention.head_count_kv"))
+                .unwrap_or(heads as u32) as usize,
+            head_dim,
+            rms_norm_eps: f
+                .opt_f32(&key("attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-6) as f64,
+            rope_theta: f.opt_f32(&key("rope.freq_base")).unwrap_or(1e6) as f64,
+            rope_local_base_freq: f.opt_f32(&key("rope.freq_base_swa")).unwrap_or(10_000.0) as f64,
+            rope_scaling_factor: scaling,
+            query_pre_attn_scalar,
+            sliding_window: f.opt_u32(&key("attention.sliding_window")).unwrap_or(512) as usize,
+            sliding_layers: pattern_layers(layers, 6),
+            max_position_embeddings: f.opt_u32(&key("context_length")).unwrap_or(32768) as usize,
+            attn_logit_softcapping: f.opt_f32(&key("attn_logit_softcapping")).map(|x| x as f64),
+            final_logit_softcapping: f.opt_f32(&key("final_logit_softcapping")).map(|x| x as f64),
+        })
+    }
+
+    /// Reads `config.json` (`gemma3_text`, or `gemma3` with a `text_config`), with the
+    /// defaults of transformers' `Gemma3TextConfig` for absent keys.
+    pub fn from_hf(c: &HfConfig) -> crate::Result<Self> {
+        let layers = c.usize_or("num_hidden_layers", 26)?;
+        let sliding_layers = match c.sliding_layers()? {
+            Some(l) if l.len() == layers => l,
+            Some(l) => {
+                return Err(c.error(format!("{} layer_types for {layers} layers", l.len())))
+            }
+            None => pattern_layers(layers, c.usize_or("sliding_window_pattern", 6)?),
+        };
+        let rope_scaling_factor = match c.rope_scaling()? {
+            None => None,
+            Some((kind, factor)) if kind == "linear" => Some(factor),
+            Some((kind, _)) => {
+                return Err(c.error(format!("unsupported rope_scaling type {kind:?} for gemma3")))
+            }
+        };
+        let act = c
+            .get("hidden_activation")
+            .and_then(|v| v.as_str())
+            .unwrap_or("gelu_pytorch_tanh");
+        if act != "gelu_pytorch_tanh" {
+            return Err(c.error(format!("unsupported hidden_activation {act:?}")));
+        }
+        Ok(Self {
+            architecture: c.model_type()?,
+            vocab_size: c.usize_or("vocab_size", 262_208)?,
+            hidden_size: c.usize_or("hidden_size", 2304)?,
+            intermediate_size: c.usize_or("intermediate_size", 9216)?,
+            num_hidden_layers: layers,
+            num_attention_heads: c.usize_or("num_attention_heads", 8)?,
+            num_key_value_heads: c.usize_or("num_key_value_heads", 4)?,
+            head_dim: c.usize_or("head_dim", 256)?,
+            rms_norm_eps: c.f64_or("rms_norm_eps", 1e-6)?,
+            rope_theta: c.f64_or("rope_theta", 1e6)?,
+            rope_local_base_freq: c.f64_or("rope_local_base_freq", 10_000.0)?,
+            rope_scaling_factor,
+            query_pre_attn_scalar: c.f64_or("query_pre_attn_scalar", 256.0)?,
+            sliding_window: c.usize_or("sliding_window", 4096)?,
+            sliding_layers,
+            max_position_embeddings: c.usize_or("max_position_embeddings", 131_072)?,
+            attn_logit_softcapping: c.opt_f64("attn_logit_softcapping")?,
+            final_logit_softcapping: c.opt_f64("final_logit_softcapping")?,
+        })
+    }
+}
+
+struct Layer {
+    attn_norm: RmsNorm,
+    attn: SelfAttention,
+    post_attn_norm: RmsNorm,
+    ffn_norm: RmsNorm,
+    mlp: GatedMlp,
+    post_ffn_norm: RmsNorm,
+}
+
+pub struct Gemma3 {
+    info: ModelInfo,
+    cfg: Gemma3Config,
+    embed: Embedding,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    device: Device,
+}
+
+impl Gemma3 {
+    pub fn load(cfg: Gemma3Config, src: &dyn WeightSource, device: &Device) -> crate::Result<Self> {
+        let half = cfg.head_dim / 2;
+        let rope = |base: f64, factor: Option<f64>| -> crate::Result<Arc<Rope>> {
+            let factors = factor.map(|f| vec![f as f32; half]);
+            Ok(Arc::new(Rope::new(
+                RopeStyle::HalfSplit,
+                cfg.head_dim,
+                base,
+                cfg.max_position_embeddings,
+                factors.as_deref(),
+                device,
+            )?))
+        };
+        let local = rope(cfg.rope_local_base_freq, None)?;
+        let global = rope(cfg.rope_theta, cfg.rope_scaling_factor)?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                let r = if cfg.sliding_layers[i] { &local } else { &global };
+                load_layer(&cfg, src, device, i, r)
+            })
+            .collect::<crate::Result<Vec<_>>>()?;
+        let embed_w = src.weight("token_embd.weight")?;
+        let lm_head = match src.has("output.weight") {
+            true => Linear::new(&src.weight("output.weight")?, None, device)?,
+            false => Linear::new(&embed_w, None, device)?,
+        };
+        let weight_bytes = layers
+            .iter()
+            .map(|l| l.attn.weight_bytes() + l.mlp.weight_bytes())
+            .sum::<usize>()
+            + lm_head.weight_bytes();
+        let info = ModelInfo {
+            architecture: cfg.architecture.clone(),
+            vocab_size: cfg.vocab_size,
+            hidden_size: cfg.hidden_size,
+            num_layers: cfg.num_hidden_layers,
+            context_length: cfg.max_position_embeddings,
+            weight_bytes,
+        };
+        let scale = (cfg.hidden_size as f64).sqrt();
+        Ok(Self {
+            info,
+            embed: Embedding::new(embed_w, Some(scale), device)?,
+            norm: RmsNorm::new(
+                src.tensor("output_norm.weight", device)?,
+                cfg.rms_norm_eps as f32,
+            )?,
+            lm_head,
+            layers,
+            device: device.clone(),
+            cfg,
+        })
+    }
+}
+
+fn load_layer(
+    cfg: &Gemma3Config,
+    src: &dyn WeightSource,
+    dev: &Device,
+    i: usize,
+    rope: &Arc<Rope>,
+) -> crate::Result<Layer> {
+    let p = |n: &str| format!("blk.{i}.{n}");
+    let linear = |n: &str| -> crate::Result<Linear> {
+        Ok(Linear::new(&src.weight(&p(n))?, None, dev)?)
+    };
+    let eps = cfg.rms_norm_eps as f32;
+    let norm = |n: &str| -> crate::Result<RmsNorm> {
+        Ok(RmsNorm::new(src.tensor(&p(n), dev)?, eps)?)
+    };
+    let attn = SelfAttention {
+        q: linear("attn_q.weight")?,
+        k: linear("attn_k.weight")?,
+        v: linear("attn_v.weight")?,
+        o: linear("attn_output.weight")?,
+        q_norm: Some(norm("attn_q_norm.weight")?),
+        k_norm: Some(norm("attn_k_norm.weight")?),
+        rope: rope.clone(),
+        cfg: SelfAttentionConfig {
+            heads: cfg.num_attention_heads,
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+            params: AttentionParams {
+                scale: cfg.query_pre_attn_scalar.powf(-0.5) as f32,
+                window: cfg.sliding_layers[i].then_some(cfg.sliding_window),
+                softcap: cfg.attn_logit_softcapping.map(|c| c as f32),
+            },
+        },
+    };
+    let mlp = GatedMlp {
+        gate: linear("ffn_gate.weight")?,
+        up: linear("ffn_up.weight")?,
+        down: linear("ffn_down.weight")?,
+        activation: Activation::GeluTanh,
+    };
+    Ok(Layer {
+        attn_norm: norm("attn_norm.weight")?,
+        attn,
+        post_attn_norm: norm("post_attention_norm.weight")?,
+        ffn_norm: norm("ffn_norm.weight")?,
+        mlp,
+        post_ffn_norm: norm("post_ffw_norm.weight")?,
+    })
+}
+
+impl CausalLm for Gemma3 {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn make_cache(&self) -> SeqCache {
+        let c = &self.cfg;
+        let (heads, dim, dev) = (c.num_key_value_heads, c.head_dim, &self.device);
+        let layers = c
+            .sliding_layers
+            .iter()
+            .map(|&local| -> Box<dyn KvCache> {
+                if local {
+                    Box::new(RotatingCache::new(heads, dim, c.sliding_window, DType::F32, dev))
+                } else {
+                    Box::new(PlainCache::new(heads, dim, DType::F32, dev))
+                }
+            })
+            .collect();
+        SeqCache::new(layers)
+    }
+
+    fn forward_hidden(&self, batch: &mut [SeqInput<'_>]) -> Result<Tensor> {
+        let spans = layers::spans(batch.iter().map(|s| (s.tokens.len(), s.cache.offset())));
+        let ids: Vec<u32> = batch
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
+        let mut x = self.embed.forward(&ids, &self.device)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let mut caches: Vec<&mut dyn KvCache> =
+                batch.iter_mut().map(|s| s.cache.layer(i)).collect();
+            let h = layer
+                .attn
+                .forward(&layer.attn_norm.forward(&x)?, &spans, &mut caches)?;
+            x = (x + layer.post_attn_norm.forward(&h)?)?;
+            let h = layer.mlp.forward(&layer.ffn_norm.forward(&x)?)?;
+            x = (x + layer.post_ffn_norm.forward(&h)?)?;
+        }
+        let last: Vec<u32> = spans.iter().map(|s| (s.row + s.len - 1) as u32).collect();
+        let last = Tensor::from_slice(&last, last.len(), &self.device)?;
+        self.norm.forward(&x.index_select(&last, 0)?)
+    }
+
+    fn project_logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        let logits = self.lm_head.forward(hidden)?.to_dtype(DType::F32)?;
+        match self.cfg.final_logit_softcapping {
+            Some(cap) => (logits / cap)?.tanh()? * cap,
+            None => Ok(logits),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pattern_layers;
+
+    #[test]
+    fn every_sixth_layer_is_global() {
+        let l = pattern_layers(18, 6);
+        let global: Vec<usize> = (0..18).filter(|&i| !l[i]).collect();
+        assert_eq!(global, vec![5, 11, 17]);
+    }
+}

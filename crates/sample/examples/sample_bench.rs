@@ -50,39 +50,12 @@ fn configs() -> Vec<(&'static str, SamplingParams)> {
     };
     vec![
         ("greedy", d()),
-        (
-            "greedy + processors",
-            SamplingParams {
-                temperature: 0.0,
-                ..processors.clone()
-            },
-        ),
-        (
-            "temperature only",
-            SamplingParams {
-                temperature: 0.8,
-                seed: Some(1),
-                ..d()
-            },
-        ),
-        (
-            "top_p 0.9 only",
-            SamplingParams {
-                temperature: 0.8,
-                top_p: 0.9,
-                seed: Some(1),
-                ..d()
-            },
-        ),
+        ("greedy + processors", SamplingParams { temperature: 0.0, ..processors.clone() }),
+        ("temperature only", SamplingParams { temperature: 0.8, seed: Some(1), ..d() }),
+        ("top_p 0.9 only", SamplingParams { temperature: 0.8, top_p: 0.9, seed: Some(1), ..d() }),
         ("all filters", all_filters.clone()),
         ("all filters + processors", processors.clone()),
-        (
-            "all + processors + logprobs 5",
-            SamplingParams {
-                logprobs: Some(5),
-                ..processors
-            },
-        ),
+        ("all + processors + logprobs 5", SamplingParams { logprobs: Some(5), ..processors }),
     ]
 }
 
@@ -111,17 +84,9 @@ fn main() {
             let x = logits(vocab, peaked, 5);
             let t = Tensor::new(x.as_slice(), &Device::Cpu).unwrap();
             for (name, p) in configs() {
-                let paths: &[Path] = if device_too {
-                    &[Path::Auto, Path::Device]
-                } else {
-                    &[Path::Auto]
-                };
+                let paths: &[Path] = if device_too { &[Path::Auto, Path::Device] } else { &[Path::Auto] };
                 for &path in paths {
-                    let cfg = SamplerConfig {
-                        vocab_size: vocab,
-                        xtc_special_tokens: vec![0, 1],
-                        path,
-                    };
+                    let cfg = SamplerConfig { vocab_size: vocab, xtc_special_tokens: vec![0, 1], path };
                     let mut s = Sampler::new(&p, &cfg).unwrap();
                     let iters = if path == Path::Device { 30 } else { 300 };
                     let (med, p90) = time_us(&mut s, &t, &history, iters);

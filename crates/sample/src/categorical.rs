@@ -17,10 +17,7 @@ pub fn inv_temperature(t: f32) -> f32 {
 /// Draws from an explicit list; `u` in [0, 1). Returns the chosen candidate.
 pub fn from_list(list: &[Cand], inv_t: f32, u: f64) -> Option<Cand> {
     let shift = list.iter().map(|c| c.x).fold(f32::NEG_INFINITY, f32::max);
-    let weights: Vec<f64> = list
-        .iter()
-        .map(|c| fastmath::weight(c.x, shift, inv_t) as f64)
-        .collect();
+    let weights: Vec<f64> = list.iter().map(|c| fastmath::weight(c.x, shift, inv_t) as f64).collect();
     let total: f64 = weights.iter().sum();
     let i = pick(&weights, u * total)?;
     Some(list[i])
@@ -45,10 +42,7 @@ pub fn from_floor(d: &mut Dist, floor: f32, inv_t: f32, u: f64) -> Option<Cand> 
     let c = pick(&sums64, r)?;
     let before: f64 = sums64[..c].iter().sum();
     let chunk = d.view.chunk(c);
-    let weights: Vec<f64> = chunk
-        .iter()
-        .map(|&x| fastmath::weight_from(x, shift, inv_t, floor) as f64)
-        .collect();
+    let weights: Vec<f64> = chunk.iter().map(|&x| fastmath::weight_from(x, shift, inv_t, floor) as f64).collect();
     // The chunk's lane-order sum and this sequential walk can differ in the last bits; `pick`
     // falls back to the last positive weight.
     let k = pick(&weights, r - before)?;

@@ -20,28 +20,18 @@ impl<'a> Dist<'a> {
         let mut cmax = Vec::new();
         view.maxima(&mut cmax);
         let max = max_of(&cmax);
-        Dist {
-            view,
-            cmax,
-            max,
-            sums: None,
-        }
+        Dist { view, cmax, max, sums: None }
     }
 
     /// Σ e^(x - max) over the vocabulary (f64) with its chunk sums.
     pub fn sums(&mut self) -> (&[f32], f64) {
         if self.sums.is_none() {
             let mut s = Vec::new();
-            self.view
-                .sums(&self.cmax, self.max, 1.0, f32::NEG_INFINITY, &mut s);
+            self.view.sums(&self.cmax, self.max, 1.0, f32::NEG_INFINITY, &mut s);
             let total = s.iter().map(|&v| v as f64).sum();
             self.sums = Some((s, total));
         }
-        let (s, t) = self
-            .sums
-            .as_ref()
-            .map(|(s, t)| (s.as_slice(), *t))
-            .unwrap_or((&[], 0.0));
+        let (s, t) = self.sums.as_ref().map(|(s, t)| (s.as_slice(), *t)).unwrap_or((&[], 0.0));
         (s, t)
     }
 
@@ -75,17 +65,11 @@ impl<'a> Dist<'a> {
         let Some(c) = self.cmax.iter().position(|&m| m == self.max) else {
             return 0;
         };
-        let k = self
-            .view
-            .chunk(c)
-            .iter()
-            .position(|&x| x == self.max)
-            .unwrap_or(0);
+        let k = self.view.chunk(c).iter().position(|&x| x == self.max).unwrap_or(0);
         (c * fastmath::CHUNK + k) as u32
     }
 }
 
 fn max_of(cmax: &[f32]) -> f32 {
-    cmax.iter()
-        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a })
+    cmax.iter().fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a })
 }

@@ -94,10 +94,7 @@ pub fn top_p(d: &mut Dist, p: f32) -> Kept {
         let t = select::nth_chunk_max(&d.cmax, n);
         let mut cands = Vec::new();
         select::collect_at_least(&d.view, &d.cmax, t, &mut cands);
-        let mass: f64 = cands
-            .iter()
-            .map(|c| fastmath::weight(c.x, max, 1.0) as f64)
-            .sum();
+        let mass: f64 = cands.iter().map(|c| fastmath::weight(c.x, max, 1.0) as f64).sum();
         if mass >= target {
             let v = select::mass_threshold(&cands, max, target);
             return Kept::List(cands.into_iter().filter(|c| c.x >= v).collect());
@@ -110,11 +107,7 @@ pub fn top_p(d: &mut Dist, p: f32) -> Kept {
 /// The top-p threshold for a wide nucleus: a histogram of the mass by distance below the max
 /// finds the bin where the cumulative mass reaches the target; only that bin is selected exactly.
 fn nucleus_floor(d: &mut Dist, target: f64) -> f32 {
-    let bins = Bins {
-        max: d.max,
-        per_nat: 64.0,
-        count: 64 * 40 + 1,
-    };
+    let bins = Bins { max: d.max, per_nat: 64.0, count: 64 * 40 + 1 };
     let tail = d.sums().0.to_vec();
     let view = &d.view;
     let hist = fastmath::histogram(d.cmax.len(), &|c| view.chunk(c), &d.cmax, &tail, &bins);
@@ -128,13 +121,19 @@ fn nucleus_floor(d: &mut Dist, target: f64) -> f32 {
         .unwrap_or(bins.count - 1);
     before -= hist.get(b).copied().unwrap_or(0.0);
     let mut cands = Vec::new();
+    // Bin b holds (top_of(b + 1), top_of(b)]; a loose value test first, the exact bin second.
+    let (lo, hi) = (bins.top_of(b + 1) - 1e-3, bins.top_of(b) + 1e-3);
     for (c, &m) in d.cmax.iter().enumerate() {
-        if bins.of(m) <= b {
-            let base = (c * fastmath::CHUNK) as u32;
-            for (k, &x) in view.chunk(c).iter().enumerate() {
-                if bins.of(x) == b {
-                    cands.push(Cand::new(x, base + k as u32));
-                }
+        if bins.of(m) > b {
+            continue;
+        }
+        let chunk = view.chunk(c);
+        let mut hits = fastmath::mask_between(chunk, lo, hi);
+        while hits != 0 {
+            let k = hits.trailing_zeros() as usize;
+            hits &= hits - 1;
+            if bins.of(chunk[k]) == b {
+                cands.push(Cand::new(chunk[k], (c * fastmath::CHUNK + k) as u32));
             }
         }
     }
@@ -180,11 +179,7 @@ pub fn xtc(d: &mut Dist, kept: Kept, x: &Xtc) -> Kept {
             let limit = x.threshold as f64 * d.mass_from(f);
             let w = |c: &Cand| fastmath::weight(c.x, max, 1.0) as f64;
             // Candidates for p > threshold: a little below the exact bound, then tested exactly.
-            let t = if limit > 0.0 {
-                max + (limit.ln() as f32) - 1e-3
-            } else {
-                f32::NEG_INFINITY
-            };
+            let t = if limit > 0.0 { max + (limit.ln() as f32) - 1e-3 } else { f32::NEG_INFINITY };
             let mut cands = Vec::new();
             select::collect_at_least(&d.view, &d.cmax, t.max(f), &mut cands);
             let Some(m) = min_above(&cands, limit, w) else {
@@ -192,11 +187,7 @@ pub fn xtc(d: &mut Dist, kept: Kept, x: &Xtc) -> Kept {
             };
             let mut above = Vec::new();
             select::collect_above(&d.view, &d.cmax, m, &mut above);
-            let ban: Vec<u32> = above
-                .iter()
-                .map(|c| c.id)
-                .filter(|&id| !is_special(x, id))
-                .collect();
+            let ban: Vec<u32> = above.iter().map(|c| c.id).filter(|&id| !is_special(x, id)).collect();
             d.ban(&ban);
             Kept::Floor(f)
         }
@@ -215,11 +206,7 @@ pub fn xtc_list(mut l: Vec<Cand>, max: f32, x: &Xtc) -> Vec<Cand> {
 
 /// The smallest logit among tokens whose weight exceeds `limit`, if at least one does.
 pub fn min_above(cands: &[Cand], limit: f64, w: impl Fn(&Cand) -> f64) -> Option<f32> {
-    cands
-        .iter()
-        .filter(|c| w(c) > limit)
-        .map(|c| c.x)
-        .min_by(|a, b| a.total_cmp(b))
+    cands.iter().filter(|c| w(c) > limit).map(|c| c.x).min_by(|a, b| a.total_cmp(b))
 }
 
 /// Whether XTC must never remove `id`.

@@ -94,14 +94,7 @@ struct Check {
 }
 
 const fn check(name: &'static str, expect: Expect, min: Option<i64>, max: Option<i64>) -> Check {
-    Check {
-        name,
-        expect,
-        min,
-        max,
-        optional: false,
-        whitelist: None,
-    }
+    Check { name, expect, min, max, optional: false, whitelist: None }
 }
 
 /// server.py's `validate_model_parameters`, in order.
@@ -120,30 +113,13 @@ const CHECKS: &[Check] = &[
     check("frequency_penalty", Expect::Number, None, None),
     check("frequency_context_size", Expect::Int, Some(0), None),
     check("logprobs", Expect::Bool, None, None),
-    Check {
-        whitelist: Some(-1),
-        ..check(
-            "top_logprobs",
-            Expect::Int,
-            Some(0),
-            Some(MAX_TOP_LOGPROBS as i64),
-        )
-    },
+    Check { whitelist: Some(-1), ..check("top_logprobs", Expect::Int, Some(0), Some(MAX_TOP_LOGPROBS as i64)) },
     check("xtc_probability", Expect::Float, Some(0), Some(1)),
     check("xtc_threshold", Expect::Float, Some(0), Some(1)),
     check("requested_model", Expect::Str, None, None),
-    Check {
-        optional: true,
-        ..check("adapter", Expect::Str, None, None)
-    },
-    Check {
-        optional: true,
-        ..check("seed", Expect::Int, None, None)
-    },
-    Check {
-        optional: true,
-        ..check("logit_bias", Expect::Dict, None, None)
-    },
+    Check { optional: true, ..check("adapter", Expect::Str, None, None) },
+    Check { optional: true, ..check("seed", Expect::Int, None, None) },
+    Check { optional: true, ..check("logit_bias", Expect::Dict, None, None) },
 ];
 
 /// The body value server.py reads for a checked attribute; None when absent (the server's
@@ -203,9 +179,7 @@ const BIAS_ERROR: &str = "logit_bias must be a dict of int to float";
 pub fn parse_logit_bias(bias: &Map<String, Value>) -> Result<Vec<(u32, f32)>, String> {
     bias.iter()
         .map(|(k, v)| {
-            let id = py_int(k)
-                .and_then(|i| u32::try_from(i).ok())
-                .ok_or(BIAS_ERROR)?;
+            let id = py_int(k).and_then(|i| u32::try_from(i).ok()).ok_or(BIAS_ERROR)?;
             let b = py_float_of(v).ok_or(BIAS_ERROR)?;
             Ok((id, b as f32))
         })
@@ -249,9 +223,7 @@ fn py_float_str(s: &str) -> Option<f64> {
         return t.to_ascii_lowercase().parse().ok();
     }
     let clean = strip_underscores(t)?;
-    let ok = clean
-        .bytes()
-        .all(|b| b.is_ascii_digit() || b"+-.eE".contains(&b));
+    let ok = clean.bytes().all(|b| b.is_ascii_digit() || b"+-.eE".contains(&b));
     if !ok || !clean.bytes().any(|b| b.is_ascii_digit()) {
         return None;
     }
@@ -264,8 +236,7 @@ fn strip_underscores(s: &str) -> Option<String> {
     let mut out = String::with_capacity(s.len());
     for (i, &c) in b.iter().enumerate() {
         if c == b'_' {
-            let between =
-                i > 0 && b[i - 1].is_ascii_digit() && b.get(i + 1).is_some_and(u8::is_ascii_digit);
+            let between = i > 0 && b[i - 1].is_ascii_digit() && b.get(i + 1).is_some_and(u8::is_ascii_digit);
             if !between {
                 return None;
             }
@@ -293,17 +264,11 @@ pub fn params_from_body(body: &Value, defaults: &SamplingParams) -> Result<Sampl
         top_k: u("top_k", defaults.top_k),
         min_p: f("min_p").map_or(defaults.min_p, |x| x as f32),
         min_tokens_to_keep: defaults.min_tokens_to_keep,
-        repetition_penalty: f("repetition_penalty")
-            .map(|x| x as f32)
-            .or(defaults.repetition_penalty),
+        repetition_penalty: f("repetition_penalty").map(|x| x as f32).or(defaults.repetition_penalty),
         repetition_context_size: u("repetition_context_size", 20),
-        presence_penalty: f("presence_penalty")
-            .map(|x| x as f32)
-            .or(defaults.presence_penalty),
+        presence_penalty: f("presence_penalty").map(|x| x as f32).or(defaults.presence_penalty),
         presence_context_size: u("presence_context_size", 20),
-        frequency_penalty: f("frequency_penalty")
-            .map(|x| x as f32)
-            .or(defaults.frequency_penalty),
+        frequency_penalty: f("frequency_penalty").map(|x| x as f32).or(defaults.frequency_penalty),
         frequency_context_size: u("frequency_context_size", 20),
         logit_bias: match b.get("logit_bias") {
             Some(Value::Object(m)) => parse_logit_bias(m)?,
@@ -312,9 +277,7 @@ pub fn params_from_body(body: &Value, defaults: &SamplingParams) -> Result<Sampl
         xtc_probability: f("xtc_probability").map_or(0.0, |x| x as f32),
         xtc_threshold: f("xtc_threshold").map_or(0.1, |x| x as f32),
         // Python ints are unbounded; a negative seed wraps (mlx would reject it).
-        seed: b
-            .get("seed")
-            .and_then(|s| s.as_u64().or_else(|| s.as_i64().map(|i| i as u64))),
+        seed: b.get("seed").and_then(|s| s.as_u64().or_else(|| s.as_i64().map(|i| i as u64))),
         logprobs: if top_logprobs > 0.0 {
             Some(top_logprobs as usize)
         } else if logprobs {

@@ -19,19 +19,12 @@ pub fn capture(d: &mut Dist, n: usize) -> Pending {
     let lse = d.log_normalizer();
     let mut top = select::top_n(&d.view, &d.cmax, n.min(d.view.len()), Ties::LowIds);
     top.sort_by(order(Ties::LowIds));
-    Pending {
-        lse,
-        top: top.iter().map(|c| (c.id, c.x - lse)).collect(),
-    }
+    Pending { lse, top: top.iter().map(|c| (c.id, c.x - lse)).collect() }
 }
 
 impl Pending {
     /// Completes the record once the token (and its processed logit) is known.
     pub fn finish(self, token: u32, x: f32) -> TokenLogprobs {
-        TokenLogprobs {
-            token,
-            logprob: x - self.lse,
-            top: self.top,
-        }
+        TokenLogprobs { token, logprob: x - self.lse, top: self.top }
     }
 }

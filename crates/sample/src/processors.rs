@@ -22,9 +22,7 @@ struct Penalty {
 
 impl Penalty {
     fn new(value: Option<f32>, context: usize) -> Option<Self> {
-        value
-            .filter(|&v| v != 0.0)
-            .map(|value| Penalty { value, context })
+        value.filter(|&v| v != 0.0).map(|value| Penalty { value, context })
     }
 
     fn window<'h>(&self, history: &'h [u32]) -> &'h [u32] {
@@ -66,10 +64,7 @@ impl Processors {
     /// The ids these processors may touch for this history (sorted, distinct, < vocab).
     pub fn touched_ids(&self, history: &[u32], vocab: usize) -> Vec<u32> {
         let mut ids: Vec<u32> = self.bias.iter().map(|b| b.0).collect();
-        for p in [self.repetition, self.presence, self.frequency]
-            .iter()
-            .flatten()
-        {
+        for p in [self.repetition, self.presence, self.frequency].iter().flatten() {
             ids.extend_from_slice(p.window(history));
         }
         ids.retain(|&id| (id as usize) < vocab);
@@ -79,12 +74,7 @@ impl Processors {
     }
 
     /// New values `(id, logit)` of the touched tokens, sorted by id; `read` gives current logits.
-    pub fn updates(
-        &self,
-        history: &[u32],
-        vocab: usize,
-        read: &dyn Fn(u32) -> f32,
-    ) -> Vec<(u32, f32)> {
+    pub fn updates(&self, history: &[u32], vocab: usize, read: &dyn Fn(u32) -> f32) -> Vec<(u32, f32)> {
         let ids = self.touched_ids(history, vocab);
         let mut out: Vec<(u32, f32)> = ids.iter().map(|&id| (id, read(id))).collect();
         // Every in-vocabulary id looked up below is in `ids` by construction.
@@ -154,51 +144,24 @@ mod tests {
         // Values printed by mlx-lm 0.32.2 for these exact inputs.
         let lg = [1.0, 2.0, -3.0, 4.0];
         let h = [1, 1, 1, 2];
-        let freq = SamplingParams {
-            frequency_penalty: Some(0.5),
-            ..Default::default()
-        };
+        let freq = SamplingParams { frequency_penalty: Some(0.5), ..Default::default() };
         assert_eq!(run(&freq, &lg, &h), vec![1.0, 0.5, -3.5, 4.0]);
-        let pres = SamplingParams {
-            presence_penalty: Some(0.5),
-            ..Default::default()
-        };
+        let pres = SamplingParams { presence_penalty: Some(0.5), ..Default::default() };
         assert_eq!(run(&pres, &lg, &h), vec![1.0, 1.5, -3.5, 4.0]);
-        let rep = SamplingParams {
-            repetition_penalty: Some(1.5),
-            ..Default::default()
-        };
+        let rep = SamplingParams { repetition_penalty: Some(1.5), ..Default::default() };
         assert_eq!(run(&rep, &lg, &h), vec![1.0, 2.0 / 1.5, -4.5, 4.0]);
-        let whole = SamplingParams {
-            repetition_penalty: Some(1.5),
-            repetition_context_size: 0,
-            ..Default::default()
-        };
-        assert_eq!(
-            run(&whole, &lg, &[0, 1, 1, 2]),
-            vec![1.0 / 1.5, 2.0 / 1.5, -4.5, 4.0]
-        );
-        let short = SamplingParams {
-            presence_penalty: Some(1.0),
-            presence_context_size: 1,
-            ..Default::default()
-        };
+        let whole = SamplingParams { repetition_penalty: Some(1.5), repetition_context_size: 0, ..Default::default() };
+        assert_eq!(run(&whole, &lg, &[0, 1, 1, 2]), vec![1.0 / 1.5, 2.0 / 1.5, -4.5, 4.0]);
+        let short = SamplingParams { presence_penalty: Some(1.0), presence_context_size: 1, ..Default::default() };
         assert_eq!(run(&short, &lg, &[0, 3]), vec![1.0, 2.0, -3.0, 3.0]);
     }
 
     #[test]
     fn zero_penalty_is_off_and_bad_ids_are_ignored() {
-        let p = SamplingParams {
-            repetition_penalty: Some(0.0),
-            presence_penalty: None,
-            ..Default::default()
-        };
+        let p = SamplingParams { repetition_penalty: Some(0.0), presence_penalty: None, ..Default::default() };
         assert!(Processors::new(&p).is_empty());
-        let b = SamplingParams {
-            logit_bias: vec![(9, 5.0), (0, 1.0)],
-            presence_penalty: Some(1.0),
-            ..Default::default()
-        };
+        let b =
+            SamplingParams { logit_bias: vec![(9, 5.0), (0, 1.0)], presence_penalty: Some(1.0), ..Default::default() };
         assert_eq!(run(&b, &[0.0, 0.0], &[7, 1]), vec![1.0, -1.0]);
     }
 }

@@ -23,13 +23,8 @@ pub fn mix64(mut z: u64) -> u64 {
 /// so two requests started in the same clock tick still differ.
 pub fn fresh_seed() -> u64 {
     static WEYL: AtomicU64 = AtomicU64::new(0);
-    let tick = WEYL
-        .fetch_add(GOLDEN, Ordering::Relaxed)
-        .wrapping_add(GOLDEN);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0);
+    let tick = WEYL.fetch_add(GOLDEN, Ordering::Relaxed).wrapping_add(GOLDEN);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
     mix64(nanos ^ mix64(tick))
 }
 
@@ -78,14 +73,8 @@ mod tests {
     fn same_seed_same_stream_and_steps_differ() {
         let a: Vec<u64> = (0..4).map(|_| StepRng::for_step(7, 3).next_u64()).collect();
         assert!(a.windows(2).all(|w| w[0] == w[1]));
-        assert_ne!(
-            StepRng::for_step(7, 3).next_u64(),
-            StepRng::for_step(7, 4).next_u64()
-        );
-        assert_ne!(
-            StepRng::for_step(7, 3).next_u64(),
-            StepRng::for_step(8, 3).next_u64()
-        );
+        assert_ne!(StepRng::for_step(7, 3).next_u64(), StepRng::for_step(7, 4).next_u64());
+        assert_ne!(StepRng::for_step(7, 3).next_u64(), StepRng::for_step(8, 3).next_u64());
     }
 
     #[test]

@@ -48,6 +48,35 @@ pub enum Mask<'a> {
     Additive(&'a Tensor),
 }
 
+/// A step's token, possibly still on the device (see [`Sampler::sample_deferred`]).
+#[derive(Clone, Debug)]
+pub enum Draw {
+    Ready(Sampled),
+    /// A `[1]` u32 tensor on the logits' device; reading it waits for the device.
+    OnDevice(Tensor),
+}
+
+impl Draw {
+    /// The token as a `[1]` u32 tensor on `device` (no read-back when it is already there).
+    pub fn token_tensor(&self, device: &Device) -> Result<Tensor> {
+        match self {
+            Draw::OnDevice(t) => Ok(t.clone()),
+            Draw::Ready(s) => Tensor::new(&[s.token], device).map_err(Error::internal),
+        }
+    }
+
+    /// Reads the token (and its logprobs, when they were asked for).
+    pub fn resolve(self) -> Result<Sampled> {
+        match self {
+            Draw::Ready(s) => Ok(s),
+            Draw::OnDevice(t) => {
+                let token = t.flatten_all().and_then(|t| t.get(0)).and_then(|t| t.to_scalar::<u32>());
+                Ok(Sampled { token: token.map_err(Error::internal)?, logprobs: None })
+            }
+        }
+    }
+}
+
 /// One step's result.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sampled {
@@ -80,7 +109,7 @@ impl Sampler {
         let filters = Filters {
             top_p: (p.top_p > 0.0 && p.top_p < 1.0).then_some(p.top_p),
             min_p: (p.min_p != 0.0).then_some((p.min_p, p.min_tokens_to_keep)),
-            xtc: (p.xtc_probability > 0.0).then(|| Xtc {
+            xtc: (p.xtc_probability > 0.0).then_some(Xtc {
                 probability: p.xtc_probability,
                 threshold: p.xtc_threshold,
                 special,
@@ -134,12 +163,7 @@ impl Sampler {
         self.sample_masked(logits, history, None)
     }
 
-    pub fn sample_masked(
-        &mut self,
-        logits: &Tensor,
-        history: &[u32],
-        mask: Option<Mask>,
-    ) -> Result<Sampled> {
+    pub fn sample_masked(&mut self, logits: &Tensor, history: &[u32], mask: Option<Mask>) -> Result<Sampled> {
         let logits = logits.flatten_all().map_err(Error::internal)?;
         let step = self.next_step();
         let on_cpu = matches!(logits.device(), Device::Cpu);
@@ -151,17 +175,27 @@ impl Sampler {
         if host {
             self.sample_tensor_on_host(&logits, history, mask, step)
         } else {
-            device::sample(self, &logits, history, mask, step).map_err(Error::internal)
+            device::sample(self, &logits, history, mask, step)
         }
     }
 
+    /// Like [`Sampler::sample_masked`], but a greedy step with no processors, mask or logprobs on a
+    /// non-CPU device is not read back: the token stays a `[1]` u32 tensor on the device, so the
+    /// engine can feed it to the next forward before reading it (DESIGN §3, pipelined decode).
+    pub fn sample_deferred(&mut self, logits: &Tensor, history: &[u32], mask: Option<Mask>) -> Result<Draw> {
+        let on_device = !matches!(logits.device(), Device::Cpu) && self.path != Path::Host;
+        if on_device && self.is_greedy() && self.processors.is_empty() && mask.is_none() && self.logprobs.is_none() {
+            self.next_step();
+            let flat = logits.flatten_all().map_err(Error::internal)?;
+            self.check_width(flat.dim(0).map_err(Error::internal)?)?;
+            let token = device::argmax(&flat).map_err(Error::internal)?;
+            return Ok(Draw::OnDevice(token));
+        }
+        self.sample_masked(logits, history, mask).map(Draw::Ready)
+    }
+
     /// Samples from host logits (the reference path; also what CPU tensors use, in place).
-    pub fn sample_slice(
-        &mut self,
-        logits: &[f32],
-        history: &[u32],
-        allowed: Option<&[u32]>,
-    ) -> Result<Sampled> {
+    pub fn sample_slice(&mut self, logits: &[f32], history: &[u32], allowed: Option<&[u32]>) -> Result<Sampled> {
         let step = self.next_step();
         let mask = allowed.map(HostMask::Allowed).unwrap_or(HostMask::None);
         self.run_host(logits, history, mask, true, step)
@@ -212,20 +246,11 @@ impl Sampler {
             let kept = self.filters.apply(&mut d, &mut rng);
             self.draw(&mut d, kept, rng.uniform())
         };
-        Ok(Sampled {
-            token: chosen.id,
-            logprobs: pending.map(|p| p.finish(chosen.id, chosen.x)),
-        })
+        Ok(Sampled { token: chosen.id, logprobs: pending.map(|p| p.finish(chosen.id, chosen.x)) })
     }
 
     /// Processors and mask over a borrowed view of the logits.
-    fn prepare<'a>(
-        &self,
-        base: &'a [f32],
-        history: &[u32],
-        mask: HostMask,
-        process: bool,
-    ) -> Result<Dist<'a>> {
+    fn prepare<'a>(&self, base: &'a [f32], history: &[u32], mask: HostMask, process: bool) -> Result<Dist<'a>> {
         self.check_width(base.len())?;
         let mut view = View::new(base);
         if process && !self.processors.is_empty() {
@@ -236,9 +261,7 @@ impl Sampler {
             HostMask::None => {}
             HostMask::Allowed(bits) => view.apply_allowed(bits),
             HostMask::Additive(m) if m.len() == base.len() => view.apply_additive(m),
-            HostMask::Additive(_) => {
-                return Err(Error::internal("mask and logits differ in length"))
-            }
+            HostMask::Additive(_) => return Err(Error::internal("mask and logits differ in length")),
         }
         Ok(Dist::new(view))
     }
@@ -250,32 +273,21 @@ impl Sampler {
         let lse = d.log_normalizer();
         let logprobs = (0..d.view.len()).map(|i| d.view.get(i) - lse).collect();
         if self.is_greedy() {
-            return Ok(Explained {
-                logprobs,
-                kept: vec![(d.argmax(), 1.0)],
-            });
+            return Ok(Explained { logprobs, kept: vec![(d.argmax(), 1.0)] });
         }
         let mut rng = StepRng::for_step(self.seed, step);
         let inv_t = inv_temperature(self.temperature);
         let list = match self.filters.apply(&mut d, &mut rng) {
             Kept::List(l) => l,
-            Kept::Floor(f) => (0..d.view.len())
-                .map(|i| Cand::new(d.view.get(i), i as u32))
-                .filter(|c| c.x >= f)
-                .collect(),
+            Kept::Floor(f) => {
+                (0..d.view.len()).map(|i| Cand::new(d.view.get(i), i as u32)).filter(|c| c.x >= f).collect()
+            }
         };
         let shift = list.iter().map(|c| c.x).fold(f32::NEG_INFINITY, f32::max);
-        let w: Vec<f64> = list
-            .iter()
-            .map(|c| crate::fastmath::weight(c.x, shift, inv_t) as f64)
-            .collect();
+        let w: Vec<f64> = list.iter().map(|c| crate::fastmath::weight(c.x, shift, inv_t) as f64).collect();
         let total: f64 = w.iter().sum();
-        let mut kept: Vec<(u32, f64)> = list
-            .iter()
-            .zip(&w)
-            .filter(|(c, _)| c.x > f32::NEG_INFINITY)
-            .map(|(c, &w)| (c.id, w / total))
-            .collect();
+        let mut kept: Vec<(u32, f64)> =
+            list.iter().zip(&w).filter(|(c, _)| c.x > f32::NEG_INFINITY).map(|(c, &w)| (c.id, w / total)).collect();
         kept.sort_unstable_by_key(|k| k.0);
         Ok(Explained { logprobs, kept })
     }
@@ -308,11 +320,7 @@ impl Sampler {
         if width == 0 {
             return Err(Error::internal("empty logits"));
         }
-        if let Some(k) = self
-            .filters
-            .top_k
-            .filter(|&k| !self.is_greedy() && k >= width)
-        {
+        if let Some(k) = self.filters.top_k.filter(|&k| !self.is_greedy() && k >= width) {
             return Err(Error::InvalidRequest(format!(
                 "`top_k` has to be an integer in the (0, {width}) interval, but is {k}."
             )));
@@ -342,11 +350,7 @@ pub(crate) enum HostMask<'a> {
 /// Runs `f` on the f32 contents of a 1-D tensor: in place for contiguous CPU f32 tensors,
 /// otherwise after a conversion or copy.
 pub(crate) fn with_host_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
-    let t = if t.dtype() == DType::F32 {
-        t.clone()
-    } else {
-        t.to_dtype(DType::F32).map_err(Error::internal)?
-    };
+    let t = if t.dtype() == DType::F32 { t.clone() } else { t.to_dtype(DType::F32).map_err(Error::internal)? };
     {
         let (storage, layout) = t.storage_and_layout();
         if let (Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
@@ -358,8 +362,5 @@ pub(crate) fn with_host_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Res
 }
 
 pub(crate) fn to_host_vec(t: &Tensor) -> Result<Vec<f32>> {
-    t.flatten_all()
-        .and_then(|t| t.to_dtype(DType::F32))
-        .and_then(|t| t.to_vec1::<f32>())
-        .map_err(Error::internal)
+    t.flatten_all().and_then(|t| t.to_dtype(DType::F32)).and_then(|t| t.to_vec1::<f32>()).map_err(Error::internal)
 }

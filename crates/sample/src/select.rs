@@ -25,14 +25,7 @@ impl Cand {
     /// NaN counts as -inf and -0 as +0, so `total_cmp` orders like IEEE comparison and sorts
     /// can never see an inconsistent order.
     pub fn new(x: f32, id: u32) -> Self {
-        Cand {
-            x: if x.is_nan() {
-                f32::NEG_INFINITY
-            } else {
-                x + 0.0
-            },
-            id,
-        }
+        Cand { x: if x.is_nan() { f32::NEG_INFINITY } else { x + 0.0 }, id }
     }
 }
 
@@ -118,10 +111,7 @@ pub fn top_n(view: &View, cmax: &[f32], n: usize, ties: Ties) -> Vec<Cand> {
 /// f64. Returns the smallest candidate when the mass never reaches the target (keep all).
 /// Weighted quickselect: expected O(len), no sort.
 pub fn mass_threshold(cands: &[Cand], shift: f32, target: f64) -> f32 {
-    let mut items: Vec<(f32, f64)> = cands
-        .iter()
-        .map(|c| (c.x, fastmath::weight(c.x, shift, 1.0) as f64))
-        .collect();
+    let mut items: Vec<(f32, f64)> = cands.iter().map(|c| (c.x, fastmath::weight(c.x, shift, 1.0) as f64)).collect();
     let mut need = target;
     let mut lo = 0;
     let mut hi = items.len();
@@ -181,11 +171,7 @@ mod tests {
     use super::*;
 
     fn reference_top(x: &[f32], n: usize, ties: Ties) -> Vec<u32> {
-        let mut all: Vec<Cand> = x
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| Cand::new(v, i as u32))
-            .collect();
+        let mut all: Vec<Cand> = x.iter().enumerate().map(|(i, &v)| Cand::new(v, i as u32)).collect();
         all.sort_by(order(ties));
         let mut ids: Vec<u32> = all[..n].iter().map(|c| c.id).collect();
         ids.sort_unstable();
@@ -209,20 +195,11 @@ mod tests {
 
     #[test]
     fn mass_threshold_equals_sorted_scan() {
-        let x: Vec<f32> = (0..3000)
-            .map(|i| ((i * 104729) % 1009) as f32 * 0.01)
-            .collect();
-        let cands: Vec<Cand> = x
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| Cand::new(v, i as u32))
-            .collect();
+        let x: Vec<f32> = (0..3000).map(|i| ((i * 104729) % 1009) as f32 * 0.01).collect();
+        let cands: Vec<Cand> = x.iter().enumerate().map(|(i, &v)| Cand::new(v, i as u32)).collect();
         let mut sorted = x.clone();
         sorted.sort_by(|a, b| b.total_cmp(a));
-        let total: f64 = x
-            .iter()
-            .map(|&v| fastmath::weight(v, 10.0, 1.0) as f64)
-            .sum();
+        let total: f64 = x.iter().map(|&v| fastmath::weight(v, 10.0, 1.0) as f64).sum();
         for p in [0.01, 0.3, 0.5, 0.9, 0.999] {
             let target = p * total;
             let mut cum = 0.0;

@@ -48,19 +48,14 @@ pub fn validate_for_vocab(p: &SamplingParams, vocab: usize) -> Result<(), String
     for &(id, _) in &p.logit_bias {
         if vocab != 0 && id as usize >= vocab {
             // mlx-lm does not check; an out-of-range scatter is undefined there.
-            return Err(format!(
-                "logit_bias token id {id} is out of range for a vocabulary of {vocab}"
-            ));
+            return Err(format!("logit_bias token id {id} is out of range for a vocabulary of {vocab}"));
         }
     }
     if p.temperature == 0.0 {
         return Ok(());
     }
     if p.min_p != 0.0 && p.min_tokens_to_keep < 1 {
-        return Err(format!(
-            "`min_tokens_to_keep` has to be a positive integer, but is {}",
-            p.min_tokens_to_keep
-        ));
+        return Err(format!("`min_tokens_to_keep` has to be a positive integer, but is {}", p.min_tokens_to_keep));
     }
     if p.xtc_probability > 0.0 && !(0.0..=0.5).contains(&p.xtc_threshold) {
         return Err(format!(
@@ -69,10 +64,7 @@ pub fn validate_for_vocab(p: &SamplingParams, vocab: usize) -> Result<(), String
         ));
     }
     if vocab != 0 && p.top_k > 0 && p.top_k >= vocab {
-        return Err(format!(
-            "`top_k` has to be an integer in the (0, {vocab}) interval, but is {}.",
-            p.top_k
-        ));
+        return Err(format!("`top_k` has to be an integer in the (0, {vocab}) interval, but is {}.", p.top_k));
     }
     Ok(())
 }
@@ -114,11 +106,7 @@ pub fn py_float(v: f64, from_f32: bool) -> String {
     if v.is_infinite() {
         return if v > 0.0 { "inf".into() } else { "-inf".into() };
     }
-    let sci = if from_f32 {
-        format!("{:e}", v as f32)
-    } else {
-        format!("{v:e}")
-    };
+    let sci = if from_f32 { format!("{:e}", v as f32) } else { format!("{v:e}") };
     let (mant, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
     let exp: i32 = exp.parse().unwrap_or(0);
     let (sign, mant) = mant.strip_prefix('-').map_or(("", mant), |m| ("-", m));
@@ -127,22 +115,14 @@ pub fn py_float(v: f64, from_f32: bool) -> String {
         let fixed = if exp >= 0 {
             let e = exp as usize;
             let int: String = format!("{digits:0<width$}", width = e + 1)[..e + 1].to_string();
-            let frac = if digits.len() > e + 1 {
-                &digits[e + 1..]
-            } else {
-                "0"
-            };
+            let frac = if digits.len() > e + 1 { &digits[e + 1..] } else { "0" };
             format!("{int}.{frac}")
         } else {
             format!("0.{}{digits}", "0".repeat((-exp - 1) as usize))
         };
         format!("{sign}{fixed}")
     } else {
-        let m = if digits.len() > 1 {
-            format!("{}.{}", &digits[..1], &digits[1..])
-        } else {
-            digits
-        };
+        let m = if digits.len() > 1 { format!("{}.{}", &digits[..1], &digits[1..]) } else { digits };
         let s = if exp < 0 { '-' } else { '+' };
         format!("{sign}{m}e{s}{:02}", exp.abs())
     }

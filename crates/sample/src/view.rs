@@ -3,6 +3,7 @@
 //! The logits stay where the tensor keeps them (no full-vocabulary copy); processors, masks and XTC
 //! write into private copies of just the chunks they touch. Whole-vocabulary passes run over the
 //! borrowed slice and then redo the patched chunks.
+#![allow(clippy::neg_cmp_op_on_partial_ord)] // NaN maxima count as below any floor
 
 use crate::fastmath::{self, CHUNK};
 
@@ -14,10 +15,7 @@ pub struct View<'a> {
 
 impl<'a> View<'a> {
     pub fn new(base: &'a [f32]) -> Self {
-        View {
-            base,
-            patches: Vec::new(),
-        }
+        View { base, patches: Vec::new() }
     }
 
     pub fn len(&self) -> usize {
@@ -136,9 +134,7 @@ impl<'a> View<'a> {
     /// Number of logits >= t, visiting only chunks whose maximum reaches t.
     pub fn count_at_least(&self, cmax: &[f32], t: f32) -> usize {
         let visit = cmax.iter().enumerate().filter(|(_, &m)| m >= t);
-        visit
-            .map(|(c, _)| fastmath::count_at_least(self.chunk(c), t))
-            .sum()
+        visit.map(|(c, _)| fastmath::count_at_least(self.chunk(c), t)).sum()
     }
 }
 

@@ -13,11 +13,7 @@ const DRAWS: u64 = 24_000;
 fn draw_counts(c: &common::Case, path: Path, seed: u64) -> BTreeMap<u32, u64> {
     let mut params = c.params.clone();
     params.seed = Some(seed);
-    let cfg = SamplerConfig {
-        vocab_size: c.logits.len(),
-        xtc_special_tokens: c.special.clone(),
-        path,
-    };
+    let cfg = SamplerConfig { vocab_size: c.logits.len(), xtc_special_tokens: c.special.clone(), path };
     let mut s = Sampler::new(&params, &cfg).unwrap();
     let mut counts = BTreeMap::new();
     match path {
@@ -28,8 +24,7 @@ fn draw_counts(c: &common::Case, path: Path, seed: u64) -> BTreeMap<u32, u64> {
             }
         }
         _ => {
-            let logits =
-                candle_core::Tensor::new(c.logits.as_slice(), &candle_core::Device::Cpu).unwrap();
+            let logits = candle_core::Tensor::new(c.logits.as_slice(), &candle_core::Device::Cpu).unwrap();
             for _ in 0..DRAWS / 4 {
                 let t = s.sample(&logits, &c.history).unwrap().token;
                 *counts.entry(t).or_default() += 1;
@@ -44,17 +39,11 @@ fn assert_fits(name: &str, path: Path) {
     let counts = draw_counts(&c, path, 42);
     let n: u64 = counts.values().sum();
     let kept = c.kept().unwrap();
-    assert!(
-        counts.keys().all(|t| kept.contains(t)),
-        "{name}: drew a filtered-out token"
-    );
+    assert!(counts.keys().all(|t| kept.contains(t)), "{name}: drew a filtered-out token");
     let (stat, df) = chi2(&counts, &c.probs(), n);
     let crit = chi2_critical_001(df);
     eprintln!("{name} ({path:?}): n {n} chi2 {stat:.1} df {df} critical {crit:.1}");
-    assert!(
-        stat < crit,
-        "{name} ({path:?}): chi2 {stat:.1} >= {crit:.1} (df {df})"
-    );
+    assert!(stat < crit, "{name} ({path:?}): chi2 {stat:.1} >= {crit:.1} (df {df})");
 }
 
 #[test]
@@ -78,12 +67,7 @@ fn host_draws_fit_mlx_distributions() {
 
 #[test]
 fn device_path_draws_fit_mlx_distributions() {
-    for name in [
-        "peaked/none/plain",
-        "peaked/none/top_p_0.9",
-        "peaked/none/combo_xtc",
-        "masked/none/xtc_0.02",
-    ] {
+    for name in ["peaked/none/plain", "peaked/none/top_p_0.9", "peaked/none/combo_xtc", "masked/none/xtc_0.02"] {
         assert_fits(name, Path::Device);
     }
 }
@@ -96,10 +80,7 @@ fn the_test_rejects_a_wrong_temperature() {
     hot.params.temperature = 1.25;
     let counts = draw_counts(&hot, Path::Host, 42);
     let (stat, df) = chi2(&counts, &c.probs(), DRAWS);
-    assert!(
-        stat > chi2_critical_001(df),
-        "chi2 {stat:.1} did not reject (df {df})"
-    );
+    assert!(stat > chi2_critical_001(df), "chi2 {stat:.1} did not reject (df {df})");
 }
 
 #[test]
@@ -111,12 +92,7 @@ fn xtc_probability_is_a_per_step_coin() {
     plain.params.xtc_probability = 0.0;
     let mut coin = case("peaked/none/xtc_0.1");
     coin.params.xtc_probability = 0.5;
-    let full = |c: &common::Case| {
-        c.sampler(Path::Host)
-            .explain(&c.logits, &c.history, 0)
-            .unwrap()
-            .kept
-    };
+    let full = |c: &common::Case| c.sampler(Path::Host).explain(&c.logits, &c.history, 0).unwrap().kept;
     let mut mix: BTreeMap<u32, f64> = BTreeMap::new();
     for (id, p) in full(&plain).into_iter().chain(full(&xtc)) {
         *mix.entry(id).or_default() += 0.5 * p;
@@ -127,8 +103,5 @@ fn xtc_probability_is_a_per_step_coin() {
     assert!(stat < chi2_critical_001(df), "chi2 {stat:.1} (df {df})");
     // And it is neither distribution alone.
     let (stat_xtc, df) = chi2(&counts, &full(&xtc), DRAWS);
-    assert!(
-        stat_xtc > chi2_critical_001(df),
-        "indistinguishable from always-XTC"
-    );
+    assert!(stat_xtc > chi2_critical_001(df), "indistinguishable from always-XTC");
 }

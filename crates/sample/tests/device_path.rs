@@ -8,26 +8,14 @@ use candle_core::{Device, Tensor};
 use common::chain_cases;
 use ferrolm_sample::{Mask, Path, Sampler, SamplerConfig};
 
-fn tokens(
-    c: &common::Case,
-    path: Path,
-    seed: u64,
-    n: usize,
-    logprobs: Option<usize>,
-) -> (Vec<u32>, Sampler) {
+fn tokens(c: &common::Case, path: Path, seed: u64, n: usize, logprobs: Option<usize>) -> (Vec<u32>, Sampler) {
     let mut p = c.params.clone();
     p.seed = Some(seed);
     p.logprobs = logprobs;
-    let cfg = SamplerConfig {
-        vocab_size: c.logits.len(),
-        xtc_special_tokens: c.special.clone(),
-        path,
-    };
+    let cfg = SamplerConfig { vocab_size: c.logits.len(), xtc_special_tokens: c.special.clone(), path };
     let mut s = Sampler::new(&p, &cfg).unwrap();
     let t = Tensor::new(c.logits.as_slice(), &Device::Cpu).unwrap();
-    let out = (0..n)
-        .map(|_| s.sample(&t, &c.history).unwrap().token)
-        .collect();
+    let out = (0..n).map(|_| s.sample(&t, &c.history).unwrap().token).collect();
     (out, s)
 }
 
@@ -45,37 +33,23 @@ fn device_path_picks_the_host_paths_tokens() {
         differ += host.iter().zip(&dev).filter(|(a, b)| a != b).count();
         // Every device token is in mlx's kept set.
         if let Some(kept) = c.kept() {
-            assert!(
-                dev.iter().all(|t| kept.contains(t)),
-                "{}: device drew a filtered-out token",
-                c.name
-            );
+            assert!(dev.iter().all(|t| kept.contains(t)), "{}: device drew a filtered-out token", c.name);
         }
     }
     eprintln!("compared {compared}, differ {differ}, host fallbacks {fallbacks}");
     // Lists are drawn identically; whole-vocabulary draws use different block sums, which can only
     // move a draw that lands within rounding of a CDF boundary.
-    assert!(
-        differ * 1000 <= compared,
-        "{differ} of {compared} tokens differ"
-    );
+    assert!(differ * 1000 <= compared, "{differ} of {compared} tokens differ");
 }
 
 #[test]
 fn device_logprobs_equal_host_logprobs() {
-    for c in chain_cases()
-        .iter()
-        .filter(|c| c.name.starts_with("peaked/") || c.name.starts_with("gen_"))
-    {
+    for c in chain_cases().iter().filter(|c| c.name.starts_with("peaked/") || c.name.starts_with("gen_")) {
         let mut p = c.params.clone();
         p.logprobs = Some(5);
         let t = Tensor::new(c.logits.as_slice(), &Device::Cpu).unwrap();
         let mk = |path| {
-            let cfg = SamplerConfig {
-                vocab_size: c.logits.len(),
-                xtc_special_tokens: c.special.clone(),
-                path,
-            };
+            let cfg = SamplerConfig { vocab_size: c.logits.len(), xtc_special_tokens: c.special.clone(), path };
             Sampler::new(&p, &cfg).unwrap()
         };
         let (mut h, mut d) = (mk(Path::Host), mk(Path::Device));
@@ -96,15 +70,8 @@ fn masks_ban_tokens_on_both_paths() {
     for i in (100..164).chain([777]) {
         bits[i / 32] |= 1 << (i % 32);
     }
-    let additive: Vec<f32> = (0..vocab)
-        .map(|i| {
-            if (100..164).contains(&i) || i == 777 {
-                0.0
-            } else {
-                f32::NEG_INFINITY
-            }
-        })
-        .collect();
+    let additive: Vec<f32> =
+        (0..vocab).map(|i| if (100..164).contains(&i) || i == 777 { 0.0 } else { f32::NEG_INFINITY }).collect();
     let add = Tensor::new(additive.as_slice(), &Device::Cpu).unwrap();
     let t = Tensor::new(c.logits.as_slice(), &Device::Cpu).unwrap();
     for path in [Path::Host, Path::Device] {
@@ -113,19 +80,12 @@ fn masks_ban_tokens_on_both_paths() {
             if greedy {
                 p.temperature = 0.0;
             }
-            let cfg = SamplerConfig {
-                vocab_size: vocab,
-                xtc_special_tokens: c.special.clone(),
-                path,
-            };
+            let cfg = SamplerConfig { vocab_size: vocab, xtc_special_tokens: c.special.clone(), path };
             let mut s = Sampler::new(&p, &cfg).unwrap();
             for mask in [Mask::Allowed(&bits), Mask::Additive(&add)] {
                 for _ in 0..50 {
                     let tok = s.sample_masked(&t, &c.history, Some(mask)).unwrap().token as usize;
-                    assert!(
-                        (100..164).contains(&tok) || tok == 777,
-                        "{path:?} greedy {greedy}: {tok}"
-                    );
+                    assert!((100..164).contains(&tok) || tok == 777, "{path:?} greedy {greedy}: {tok}");
                 }
             }
         }
@@ -170,23 +130,11 @@ fn host_vs_device(vocab: usize, flat: bool) -> u64 {
         seed: Some(1),
         ..Default::default()
     };
-    let mk = |path| {
-        Sampler::new(
-            &params,
-            &SamplerConfig {
-                vocab_size: vocab,
-                xtc_special_tokens: vec![2],
-                path,
-            },
-        )
-        .unwrap()
-    };
+    let mk =
+        |path| Sampler::new(&params, &SamplerConfig { vocab_size: vocab, xtc_special_tokens: vec![2], path }).unwrap();
     let (mut h, mut d) = (mk(Path::Host), mk(Path::Device));
     for _ in 0..20 {
-        assert_eq!(
-            h.sample(&t, &[]).unwrap().token,
-            d.sample(&t, &[]).unwrap().token
-        );
+        assert_eq!(h.sample(&t, &[]).unwrap().token, d.sample(&t, &[]).unwrap().token);
     }
     d.host_fallbacks()
 }
@@ -197,4 +145,25 @@ fn large_vocab_device_path_resolves_without_host_copies() {
     assert_eq!(host_vs_device(262_144, false), 0);
     // A flat step whose nucleus exceeds 512 tokens: same tokens, through the counted fallback.
     assert_eq!(host_vs_device(262_144, true), 20);
+}
+
+#[test]
+fn deferred_draws_resolve_to_the_same_tokens() {
+    let c = common::case("peaked/all/combo");
+    let t = Tensor::new(c.logits.as_slice(), &Device::Cpu).unwrap();
+    for path in [Path::Host, Path::Device] {
+        let (want, _) = tokens(&c, path, 4, 10, None);
+        let mut p = c.params.clone();
+        p.seed = Some(4);
+        let cfg = SamplerConfig { vocab_size: c.logits.len(), xtc_special_tokens: c.special.clone(), path };
+        let mut s = Sampler::new(&p, &cfg).unwrap();
+        let got: Vec<u32> = (0..10)
+            .map(|_| {
+                let d = s.sample_deferred(&t, &c.history, None).unwrap();
+                assert_eq!(d.token_tensor(&Device::Cpu).unwrap().to_vec1::<u32>().unwrap().len(), 1);
+                d.resolve().unwrap().token
+            })
+            .collect();
+        assert_eq!(got, want, "{path:?}");
+    }
 }

@@ -29,11 +29,7 @@ fn kept_sets_and_probabilities_match_mlx() {
             failures.push(format!("{}: {msg}", c.name));
             continue;
         }
-        let prob = |id: u32| {
-            e.kept
-                .binary_search_by_key(&id, |k| k.0)
-                .map_or(-1.0, |i| e.kept[i].1)
-        };
+        let prob = |id: u32| e.kept.binary_search_by_key(&id, |k| k.0).map_or(-1.0, |i| e.kept[i].1);
         for (id, p) in c.probs() {
             if (prob(id) - p).abs() > TOL {
                 failures.push(format!("{}: p[{id}] = {} want {p}", c.name, prob(id)));
@@ -46,34 +42,19 @@ fn kept_sets_and_probabilities_match_mlx() {
             }
         }
     }
-    assert!(
-        failures.is_empty(),
-        "{} failures:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
 }
 
 #[test]
 fn processed_logprobs_match_mlx() {
     let mut checked = 0;
     for c in chain_cases() {
-        let e = c
-            .sampler(Path::Host)
-            .explain(&c.logits, &c.history, 0)
-            .unwrap();
+        let e = c.sampler(Path::Host).explain(&c.logits, &c.history, 0).unwrap();
         let lse = common::dec(&c.raw["lse"]) as f64;
         assert!(lse.is_finite(), "{}", c.name);
-        for (id, lp) in pairs(&c.raw["touched"])
-            .into_iter()
-            .chain(pairs(&c.raw["top"]))
-        {
+        for (id, lp) in pairs(&c.raw["touched"]).into_iter().chain(pairs(&c.raw["top"])) {
             let ours = e.logprobs[id as usize] as f64;
-            assert!(
-                (ours - lp).abs() <= TOL || (ours == lp),
-                "{}: logprob[{id}] {ours} want {lp}",
-                c.name
-            );
+            assert!((ours - lp).abs() <= TOL || (ours == lp), "{}: logprob[{id}] {ours} want {lp}", c.name);
             checked += 1;
         }
     }
@@ -113,25 +94,14 @@ fn wide_vocabularies_are_exact_and_close_to_mlx() {
     let mut wide = 0;
     for c in chain_cases().iter().filter(|c| c.raw.get("mlx").is_some()) {
         wide += 1;
-        let e = c
-            .sampler(Path::Host)
-            .explain(&c.logits, &c.history, 0)
-            .unwrap();
+        let e = c.sampler(Path::Host).explain(&c.logits, &c.history, 0).unwrap();
         let mlx = &c.raw["mlx"];
         let lse = common::dec(&c.raw["lse"]) as f64;
         let mlx_lse = common::dec(&mlx["lse"]) as f64;
-        assert!(
-            (lse - mlx_lse).abs() < 1e-3,
-            "{}: mlx lse {mlx_lse} vs exact {lse}",
-            c.name
-        );
+        assert!((lse - mlx_lse).abs() < 1e-3, "{}: mlx lse {mlx_lse} vs exact {lse}", c.name);
         let n = e.kept.len() as f64;
         let mlx_n = mlx["kept_count"].as_f64().unwrap();
-        assert!(
-            (n - mlx_n).abs() <= 0.04 * mlx_n,
-            "{}: kept {n} vs mlx {mlx_n}",
-            c.name
-        );
+        assert!((n - mlx_n).abs() <= 0.04 * mlx_n, "{}: kept {n} vs mlx {mlx_n}", c.name);
     }
     assert!(wide >= 25, "{wide} wide cases");
 }

@@ -9,18 +9,12 @@ use ferrolm_sample::{Path, Sampler, SamplerConfig};
 fn sampler(c: &common::Case, seed: Option<u64>) -> Sampler {
     let mut p = c.params.clone();
     p.seed = seed;
-    let cfg = SamplerConfig {
-        vocab_size: c.logits.len(),
-        xtc_special_tokens: c.special.clone(),
-        path: Path::Host,
-    };
+    let cfg = SamplerConfig { vocab_size: c.logits.len(), xtc_special_tokens: c.special.clone(), path: Path::Host };
     Sampler::new(&p, &cfg).unwrap()
 }
 
 fn run(s: &mut Sampler, c: &common::Case, n: usize) -> Vec<u32> {
-    (0..n)
-        .map(|_| s.sample_slice(&c.logits, &c.history, None).unwrap().token)
-        .collect()
+    (0..n).map(|_| s.sample_slice(&c.logits, &c.history, None).unwrap().token).collect()
 }
 
 #[test]
@@ -29,11 +23,7 @@ fn same_seed_same_tokens_regardless_of_other_samplers() {
     let alone = run(&mut sampler(&c, Some(77)), &c, 300);
     // Interleave with other samplers (seeded and not) drawing in between.
     let mut a = sampler(&c, Some(77));
-    let mut others = [
-        sampler(&c, Some(78)),
-        sampler(&c, None),
-        sampler(&c, Some(77)),
-    ];
+    let mut others = [sampler(&c, Some(78)), sampler(&c, None), sampler(&c, Some(77))];
     let mut interleaved = Vec::new();
     for _ in 0..300 {
         for o in others.iter_mut() {
@@ -51,15 +41,10 @@ fn same_seed_same_tokens_regardless_of_other_samplers() {
 #[test]
 fn unseeded_samplers_differ() {
     let c = case("flat/none/plain");
-    let seqs: Vec<Vec<u32>> = (0..8)
-        .map(|_| run(&mut sampler(&c, None), &c, 20))
-        .collect();
+    let seqs: Vec<Vec<u32>> = (0..8).map(|_| run(&mut sampler(&c, None), &c, 20)).collect();
     for i in 0..seqs.len() {
         for j in i + 1..seqs.len() {
-            assert_ne!(
-                seqs[i], seqs[j],
-                "unseeded samplers {i} and {j} drew the same tokens"
-            );
+            assert_ne!(seqs[i], seqs[j], "unseeded samplers {i} and {j} drew the same tokens");
         }
     }
     let seeds: Vec<u64> = (0..8).map(|_| sampler(&c, None).seed()).collect();
@@ -82,24 +67,14 @@ fn tensor_inputs_in_any_float_dtype_agree() {
     let t = Tensor::new(c.logits.as_slice(), &Device::Cpu).unwrap();
     let want = run(&mut sampler(&c, Some(3)), &c, 40);
     let mut s = sampler(&c, Some(3));
-    let f32_tokens: Vec<u32> = (0..40)
-        .map(|_| {
-            s.sample(&t.unsqueeze(0).unwrap(), &c.history)
-                .unwrap()
-                .token
-        })
-        .collect();
+    let f32_tokens: Vec<u32> = (0..40).map(|_| s.sample(&t.unsqueeze(0).unwrap(), &c.history).unwrap().token).collect();
     assert_eq!(f32_tokens, want, "[1, vocab] f32 tensor vs slice");
     // bf16 rounds the logits, so the draws may differ; they must stay within the kept set of
     // the rounded logits and be reproducible.
     let b = t.to_dtype(DType::BF16).unwrap();
     let mut s1 = sampler(&c, Some(3));
     let mut s2 = sampler(&c, Some(3));
-    let a: Vec<u32> = (0..40)
-        .map(|_| s1.sample(&b, &c.history).unwrap().token)
-        .collect();
-    let b2: Vec<u32> = (0..40)
-        .map(|_| s2.sample(&b, &c.history).unwrap().token)
-        .collect();
+    let a: Vec<u32> = (0..40).map(|_| s1.sample(&b, &c.history).unwrap().token).collect();
+    let b2: Vec<u32> = (0..40).map(|_| s2.sample(&b, &c.history).unwrap().token).collect();
     assert_eq!(a, b2);
 }

@@ -7,10 +7,7 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 
 pub fn fixture(name: &str) -> Value {
-    let path = format!(
-        "{}/../../tests/fixtures/sampler/{name}",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let path = format!("{}/../../tests/fixtures/sampler/{name}", env!("CARGO_MANIFEST_DIR"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
     serde_json::from_str(&text).expect("fixture json")
 }
@@ -25,18 +22,12 @@ pub fn dec(v: &Value) -> f32 {
 }
 
 pub fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .map(|a| a.iter().map(|x| x.as_u64().unwrap() as u32).collect())
-        .unwrap_or_default()
+    v.as_array().map(|a| a.iter().map(|x| x.as_u64().unwrap() as u32).collect()).unwrap_or_default()
 }
 
 /// (id, value) pairs.
 pub fn pairs(v: &Value) -> Vec<(u32, f64)> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|p| (p[0].as_u64().unwrap() as u32, dec(&p[1]) as f64))
-        .collect()
+    v.as_array().unwrap().iter().map(|p| (p[0].as_u64().unwrap() as u32, dec(&p[1]) as f64)).collect()
 }
 
 pub struct Case {
@@ -50,11 +41,7 @@ pub struct Case {
 
 impl Case {
     pub fn sampler(&self, path: Path) -> Sampler {
-        let cfg = SamplerConfig {
-            vocab_size: self.logits.len(),
-            xtc_special_tokens: self.special.clone(),
-            path,
-        };
+        let cfg = SamplerConfig { vocab_size: self.logits.len(), xtc_special_tokens: self.special.clone(), path };
         Sampler::new(&self.params, &cfg).unwrap_or_else(|e| panic!("{}: {e}", self.name))
     }
 
@@ -67,11 +54,7 @@ impl Case {
             return Some(ids(k));
         }
         let removed = ids(self.raw.get("removed")?);
-        Some(
-            (0..self.logits.len() as u32)
-                .filter(|i| !removed.contains(i))
-                .collect(),
-        )
+        Some((0..self.logits.len() as u32).filter(|i| !removed.contains(i)).collect())
     }
 
     /// Compares a kept set (sorted ids) with mlx's: the full list, or for wide vocabularies the
@@ -91,10 +74,7 @@ impl Case {
         }
         let sum: u64 = got.iter().map(|&i| i as u64).sum();
         let sq: u64 = got.iter().map(|&i| (i as u64) * (i as u64)).sum();
-        let want = (
-            self.raw["id_sum"].as_u64().unwrap(),
-            self.raw["id_sq_sum"].as_u64().unwrap(),
-        );
+        let want = (self.raw["id_sum"].as_u64().unwrap(), self.raw["id_sq_sum"].as_u64().unwrap());
         if (sum, sq) != want {
             return Err(format!("id sums {:?} want {want:?}", (sum, sq)));
         }
@@ -121,11 +101,7 @@ fn params(procs: &Value, filt: &Value) -> SamplingParams {
     let bias: Vec<(u32, f32)> = procs
         .get("logit_bias")
         .and_then(Value::as_object)
-        .map(|m| {
-            m.iter()
-                .map(|(k, v)| (k.parse().unwrap(), v.as_f64().unwrap() as f32))
-                .collect()
-        })
+        .map(|m| m.iter().map(|(k, v)| (k.parse().unwrap(), v.as_f64().unwrap() as f32)).collect())
         .unwrap_or_default();
     let f32_of = |v: &Value, k: &str| num(v, k).map(|x| x as f32);
     let usize_of = |v: &Value, k: &str, d: usize| num(v, k).map_or(d, |x| x as usize);
@@ -151,23 +127,11 @@ fn params(procs: &Value, filt: &Value) -> SamplingParams {
 
 /// The wide fixture logits, regenerated exactly as scripts/fixtures/sampler_fixtures.py does.
 pub fn generated(vocab: usize, kind: &str) -> Vec<f32> {
-    let keys = [
-        (2654435761u64, 12345u64),
-        (2246822519, 6789),
-        (3266489917, 101),
-    ];
+    let keys = [(2654435761u64, 12345u64), (2246822519, 6789), (3266489917, 101)];
     (0..vocab as u64)
         .map(|i| {
-            let u: f64 = keys
-                .iter()
-                .map(|(a, b)| ((i * a + b) % (1 << 32)) as f64 / 4294967296.0)
-                .sum::<f64>()
-                - 1.5;
-            let x = if kind == "flat" {
-                3.0 * u
-            } else {
-                5.0 * u + if i % 40000 == 123 { 14.0 } else { 0.0 }
-            };
+            let u: f64 = keys.iter().map(|(a, b)| ((i * a + b) % (1 << 32)) as f64 / 4294967296.0).sum::<f64>() - 1.5;
+            let x = if kind == "flat" { 3.0 * u } else { 5.0 * u + if i % 40000 == 123 { 14.0 } else { 0.0 } };
             x as f32
         })
         .collect()
@@ -182,13 +146,7 @@ pub fn chain_cases() -> Vec<Case> {
         .map(|(k, v)| (k.clone(), v.as_array().unwrap().iter().map(dec).collect()))
         .collect();
     for (k, g) in f["generated"].as_object().unwrap() {
-        bases.insert(
-            k.clone(),
-            generated(
-                g["vocab"].as_u64().unwrap() as usize,
-                g["kind"].as_str().unwrap(),
-            ),
-        );
+        bases.insert(k.clone(), generated(g["vocab"].as_u64().unwrap() as usize, g["kind"].as_str().unwrap()));
     }
     f["cases"]
         .as_array()
@@ -211,10 +169,7 @@ pub fn chain_cases() -> Vec<Case> {
 }
 
 pub fn case(name: &str) -> Case {
-    chain_cases()
-        .into_iter()
-        .find(|c| c.name == name)
-        .unwrap_or_else(|| panic!("no case {name}"))
+    chain_cases().into_iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no case {name}"))
 }
 
 /// Upper 0.1% point of chi-square with `df` degrees of freedom (Wilson–Hilferty).
@@ -241,11 +196,7 @@ pub fn chi2(counts: &BTreeMap<u32, u64>, probs: &[(u32, f64)], n: u64) -> (f64, 
         }
     }
     let listed_mass: f64 = probs.iter().map(|p| p.1).sum();
-    pooled.0 += counts
-        .iter()
-        .filter(|(id, _)| !listed.contains(id))
-        .map(|(_, &c)| c as f64)
-        .sum::<f64>();
+    pooled.0 += counts.iter().filter(|(id, _)| !listed.contains(id)).map(|(_, &c)| c as f64).sum::<f64>();
     pooled.1 += (1.0 - listed_mass).max(0.0) * n as f64;
     if pooled.1 >= 5.0 {
         bins.push(pooled);

@@ -24,6 +24,10 @@ pub struct Args {
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+    /// A JSON array of prompt token ids to use instead of the built-in text (e.g. the ids a
+    /// peer was given, so both run on identical input).
+    #[arg(long)]
+    prompt_ids_file: Option<PathBuf>,
 }
 
 const TEXT: &str = "The history of the printing press is the history of how ideas learned to travel. \
@@ -36,33 +40,61 @@ pub fn run(args: Args) -> CliResult<()> {
     let load_start = Instant::now();
     let b = bundle::load(args.model.as_deref(), &args.device).map_err(CliError::usage)?;
     let load_s = load_start.elapsed().as_secs_f64();
-    let prompt = bench_prompt(&b.tokenizer, args.prompt_tokens)?;
+    let prompt = match &args.prompt_ids_file {
+        Some(f) => read_ids(f)?,
+        None => bench_prompt(&b.tokenizer, args.prompt_tokens)?,
+    };
     let model = b.model.as_ref();
-    let mut prefill = Vec::new();
-    let mut decode = Vec::new();
+    let (mut prefill, mut decode, mut ttft) = (Vec::new(), Vec::new(), Vec::new());
     for run in 0..=args.runs {
-        let (p, d) = one_run(model, &prompt, args.decode_tokens).map_err(CliError::runtime)?;
+        let r = one_run(model, &prompt, args.decode_tokens).map_err(CliError::runtime)?;
         if run > 0 {
-            prefill.push(p);
-            decode.push(d);
+            prefill.push(r.prefill_tps);
+            decode.push(r.decode_tps);
+            ttft.push(r.ttft_ms);
         }
     }
-    let (p, d) = (median(&mut prefill), median(&mut decode));
+    let (p, d, t) = (median(&mut prefill), median(&mut decode), median(&mut ttft));
+    let rss = peak_rss_mb();
     if args.json {
         let obj = serde_json::json!({
-            "model": b.path.display().to_string(), "load_s": load_s,
-            "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens, "runs": args.runs,
-            "prefill_tps": p, "decode_tps": d, "prefill_runs": prefill, "decode_runs": decode,
+            "model": b.path.display().to_string(), "load_s": load_s, "threads": ferrolm_backend::cpu::threads::num_threads(),
+            "prompt_tokens": prompt.len(), "decode_tokens": args.decode_tokens, "runs": args.runs,
+            "prefill_tps": p, "decode_tps": d, "ttft_ms": t, "peak_rss_mb": rss,
+            "prefill_runs": prefill, "decode_runs": decode,
         });
         println!("{obj}");
     } else {
-        println!("model {} (load {load_s:.2} s)", b.path.display());
+        println!("model {} (load {load_s:.2} s, peak RSS {rss:.0} MB)", b.path.display());
         println!(
-            "prefill {p:.1} tok/s ({} tokens), decode {d:.1} tok/s ({} tokens), median of {}",
-            args.prompt_tokens, args.decode_tokens, args.runs
+            "prefill {p:.1} tok/s ({} tokens, ttft {t:.0} ms), decode {d:.1} tok/s ({} tokens), median of {}",
+            prompt.len(),
+            args.decode_tokens,
+            args.runs
         );
     }
     Ok(())
+}
+
+fn read_ids(f: &std::path::Path) -> CliResult<Vec<u32>> {
+    let text = std::fs::read_to_string(f).map_err(|e| CliError::usage(format!("{}: {e}", f.display())))?;
+    let ids: Vec<u32> = serde_json::from_str(&text)
+        .map_err(|e| CliError::usage(format!("{}: expected a JSON array of token ids: {e}", f.display())))?;
+    if ids.is_empty() {
+        return Err(CliError::usage(format!("{}: no token ids", f.display())));
+    }
+    Ok(ids)
+}
+
+/// Peak resident memory of this process (VmHWM), in MB.
+fn peak_rss_mb() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .unwrap_or(0.0);
+    kb / 1024.0
 }
 
 fn bench_prompt(tok: &ferrolm_text::Tokenizer, n: usize) -> CliResult<Vec<u32>> {
@@ -75,25 +107,29 @@ fn bench_prompt(tok: &ferrolm_text::Tokenizer, n: usize) -> CliResult<Vec<u32>> 
     Ok(ids)
 }
 
+struct RunFigures {
+    prefill_tps: f64,
+    decode_tps: f64,
+    ttft_ms: f64,
+}
+
 /// One prefill of the prompt (chunked as the engine does, last token alone) and `n` greedy decode
-/// steps; returns (prefill tok/s, decode tok/s).
-fn one_run(model: &dyn CausalLm, prompt: &[u32], n: usize) -> candle_core::Result<(f64, f64)> {
+/// steps. Time to first token is the prefill plus the first token's sampling.
+fn one_run(model: &dyn CausalLm, prompt: &[u32], n: usize) -> candle_core::Result<RunFigures> {
     let mut cache = model.make_cache();
     let start = Instant::now();
     let (body, tail) = prompt.split_at(prompt.len() - 1);
     for chunk in body.chunks(2048) {
-        model.forward_hidden(&mut [SeqInput {
-            tokens: chunk,
-            cache: &mut cache,
-        }])?;
+        model.forward_hidden(&mut [SeqInput { tokens: chunk, cache: &mut cache }])?;
     }
     let mut token = next_token(model, &mut cache, tail)?;
-    let prefill_tps = prompt.len() as f64 / start.elapsed().as_secs_f64();
+    let ttft = start.elapsed().as_secs_f64();
     let start = Instant::now();
     for _ in 0..n {
         token = next_token(model, &mut cache, &[token])?;
     }
-    Ok((prefill_tps, n as f64 / start.elapsed().as_secs_f64()))
+    let decode = start.elapsed().as_secs_f64();
+    Ok(RunFigures { prefill_tps: prompt.len() as f64 / ttft, decode_tps: n as f64 / decode, ttft_ms: ttft * 1e3 })
 }
 
 fn next_token(

@@ -2,6 +2,7 @@
 
 mod bench;
 mod generate;
+mod serve;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -19,6 +20,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve the model over an OpenAI-compatible HTTP API (drop-in for mlx_lm.server).
+    Serve(serve::Args),
     /// Generate a completion for one prompt; text streams to stdout, stats to stderr.
     Generate(generate::Args),
     /// Measure prefill and decode speed on the model.
@@ -34,6 +37,7 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let result = match Cli::parse().command {
+        Command::Serve(args) => serve::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench::run(args),
     };

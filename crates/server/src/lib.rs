@@ -1,1 +1,32 @@
+//! ferrolm's OpenAI-compatible HTTP server, a drop-in replacement for `mlx_lm.server`: axum
+//! routes, protocol types and validation, SSE, errors, metrics, and the per-request streaming
+//! pipeline (token → detokenizer → stop matcher → reasoning / tool-call router → SSE).
+//!
+//! The engine runs on its own thread ([`ferrolm_engine::EngineHandle`]); handlers only submit
+//! requests and read events, so the HTTP side stays responsive during a long prefill.
 
+pub mod config;
+pub mod errors;
+mod generation;
+pub mod metrics;
+pub mod pipeline;
+pub mod protocol;
+mod routes;
+pub mod state;
+mod stream;
+
+pub use config::ServerConfig;
+pub use routes::router;
+pub use state::{AppState, SharedState};
+
+use std::future::Future;
+use tokio::net::TcpListener;
+
+/// Serves `state` on `listener` until `shutdown` resolves.
+pub async fn serve(
+    state: SharedState,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
+}

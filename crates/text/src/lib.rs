@@ -1,5 +1,6 @@
 //! The text around the model: tokenizers (GGUF byte-level BPE and SentencePiece, Hugging Face
-//! tokenizer.json), streaming detokenization, chat templates and stop strings. Knows nothing of
+//! tokenizer.json), streaming detokenization, chat templates, stop strings, and the tool-call and
+//! reasoning parsers of model output. Knows nothing of
 //! the engine, HTTP or model internals.
 //!
 //! GGUF tokenization reproduces llama.cpp token for token (fixtures in
@@ -12,6 +13,7 @@ mod gguf;
 mod hf;
 mod pretok;
 mod pyjson;
+pub mod reasoning;
 mod spec;
 mod special;
 mod spm;
@@ -19,13 +21,16 @@ mod stop;
 mod strftime;
 mod template;
 mod tokenizer;
+pub mod toolcall;
 mod vocab;
 
 pub use detok::IncrementalDecoder;
 pub use spec::{token_type, TokenizerSpec};
 pub use stop::{StopHit, StopMatcher};
 pub use template::{ChatTemplate, RenderOptions};
+pub use reasoning::{ReasoningSplit, ReasoningSplitter};
 pub use tokenizer::Tokenizer;
+pub use toolcall::{ToolCall, ToolCallParser, ToolEvent, ToolSpec};
 
 #[cfg(test)]
 mod tests {

@@ -1,0 +1,259 @@
+#!/usr/bin/env python3
+"""Server overhead and peers, measured over HTTP on one machine in one run:
+
+1. ferrolm direct (`crates/server/examples/engine_direct.rs`: the server's own `EngineHandle`,
+   warm, in one process, no HTTP) against `ferrolm serve` streaming `/v1/completions`: time to
+   first token and streamed decode tok/s for the same prompt and the same greedy tokens.
+   Overhead = what the server adds (HTTP, JSON, tokenization on the blocking pool, the text
+   pipeline, SSE).
+2. The same streamed requests to mlx_lm.server (mlx-lm on CPU, the model as an f32 Hugging Face
+   folder, OpenBLAS preloaded) and to llama.cpp's server (llama-cpp-python[server], the same
+   GGUF, 2 threads).
+3. `/health` latency while ferrolm runs a 4,000-token prefill (and idle, for reference).
+
+    python bench/server_bench.py [--runs 5] [--decode 128] [--peers mlx,llamacpp] [--out bench/results]
+
+Needs httpx (the test venv, ~/.cache/ferrolm/test-venv, has it). The peers run from the oracle
+venv ($ORACLE_PY; WITH_MLX=1 scripts/oracle-env.sh, plus `pip install
+'llama-cpp-python[server]==0.3.36'` there). Decode tok/s follows mlx-lm's
+convention: tokens after the first over the time from the first to the last. Runs of the
+systems alternate, so drift in machine load falls on all of them alike; medians are reported.
+Every request starts with its own line ("Request N."), so no server can reuse a cached prefix
+(mlx-lm and llama-cpp-python both would).
+"""
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = Path(os.environ.get("FERROLM_MODELS") or Path.home() / ".cache/ferrolm/models")
+GGUF = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
+HF = MODELS / "hf" / "SmolLM2-135M-Instruct-f32"
+BIN = os.environ.get("FERROLM_BIN") or str(ROOT / "target/release/ferrolm")
+DIRECT = os.environ.get("FERROLM_DIRECT_BIN") or str(Path(BIN).parent / "examples" / "engine_direct")
+ORACLE = os.environ.get("ORACLE_PY") or str(Path.home() / ".cache/ferrolm/oracle-venv/bin/python")
+BLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+
+# Counting never reaches an end of text within a few hundred tokens: every system generates
+# exactly the requested number of tokens, greedily.
+SHORT = "Count from one: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,"
+FILLER = ("The history of the printing press is the history of how ideas learned to travel. Before "
+          "movable type, every book was copied by hand, and a single manuscript could take a scribe "
+          "many months to finish. ")
+
+
+def long_prompt(words):
+    text = (FILLER * (words // len(FILLER.split()) + 1)).split()[:words]
+    return " ".join(text) + "\n\n" + SHORT
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url, proc, path="/health", timeout=600):
+    end = time.time() + timeout
+    while time.time() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited ({proc.returncode})")
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} not ready")
+
+
+def start(kind):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ)
+    if kind == "ferrolm":
+        cmd, ready = [BIN, "serve", "--model", str(GGUF), "--port", str(port)], "/health"
+    elif kind == "mlx":
+        if Path(BLAS).exists():
+            env["LD_PRELOAD"] = BLAS
+        cmd, ready = [ORACLE, "-m", "mlx_lm", "server", "--model", str(HF), "--port", str(port)], "/health"
+    elif kind == "llamacpp":
+        cmd = [ORACLE, "-m", "llama_cpp.server", "--model", str(GGUF), "--port", str(port),
+               "--n_threads", "2", "--n_ctx", "8192", "--n_batch", "512"]
+        ready = "/v1/models"
+    else:
+        raise ValueError(kind)
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    wait_ready(url, p, ready)
+    return p, url, time.perf_counter() - t0
+
+
+def stream_completion(url, prompt, n, model):
+    """(ttft s, decode tok/s, tokens) of one streamed greedy completion."""
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0.0, "stream": True}
+    t0 = time.perf_counter()
+    stamps = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ch = json.loads(line[6:])
+            if ch.get("choices") and ch["choices"][0].get("text"):
+                stamps.append(time.perf_counter())
+    ttft = stamps[0] - t0
+    # Chunks carry about one token each; count tokens by chunk (usage is not in every peer's stream).
+    tps = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+    return ttft, tps, len(stamps)
+
+
+class Direct:
+    """The engine_direct example, kept running (warm) and fed one request per line."""
+
+    def __init__(self):
+        if not Path(DIRECT).exists():
+            sys.exit(f"{DIRECT} missing: cargo build --release -p ferrolm-server --example engine_direct")
+        self.p = subprocess.Popen([DIRECT, str(GGUF)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def run(self, prompt, n):
+        self.p.stdin.write(json.dumps({"prompt": prompt, "max_tokens": n}) + "\n")
+        self.p.stdin.flush()
+        r = json.loads(self.p.stdout.readline())
+        return r["ttft_ms"] / 1e3, r["decode_tps"], r["tokens"]
+
+    def close(self):
+        self.p.terminate()
+
+
+def med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def health_during_prefill(url, words):
+    """/health latencies (ms) idle, then while a long prompt is prefilled."""
+    prompt = long_prompt(words)
+    idle = []
+    with httpx.Client(base_url=url) as h:
+        for _ in range(50):
+            t0 = time.perf_counter()
+            h.get("/health")
+            idle.append((time.perf_counter() - t0) * 1e3)
+    result = {}
+
+    def run():
+        t0 = time.perf_counter()
+        r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=600)
+        result["prefill_s"] = time.perf_counter() - t0
+        result["prompt_tokens"] = r.json()["usage"]["prompt_tokens"]
+
+    t = threading.Thread(target=run)
+    t.start()
+    busy = []
+    time.sleep(0.2)
+    with httpx.Client(base_url=url) as h:
+        while t.is_alive():
+            t0 = time.perf_counter()
+            h.get("/health")
+            busy.append((time.perf_counter() - t0) * 1e3)
+            time.sleep(0.02)
+    t.join()
+    q = lambda xs, p: sorted(xs)[min(len(xs) - 1, int(p * len(xs)))]
+    return {"prompt_tokens": result["prompt_tokens"], "prefill_s": result["prefill_s"],
+            "idle_ms": {"p50": q(idle, .5), "p99": q(idle, .99), "max": max(idle)},
+            "busy_ms": {"n": len(busy), "p50": q(busy, .5), "p99": q(busy, .99), "max": max(busy)}}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--long-words", type=int, default=330, help="words in the long prompt (~450 tokens)")
+    ap.add_argument("--peers", default="mlx,llamacpp")
+    ap.add_argument("--health-words", type=int, default=3000, help="about 4,000 tokens")
+    ap.add_argument("--out", default=str(ROOT / "bench/results"))
+    args = ap.parse_args()
+    peers = [p for p in args.peers.split(",") if p]
+    prompts = {"short": SHORT, "long": long_prompt(args.long_words)}
+    servers = {}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    direct = Direct()
+    uid = iter(range(1, 1 << 30))
+    unique = lambda prompt: f"Request {next(uid)}.\n{prompt}"
+    try:
+        for kind in ["ferrolm", *peers]:
+            p, url, ready = start(kind)
+            servers[kind] = {"proc": p, "url": url, "ready_s": ready}
+            print(f"{kind}: {url} ready in {ready:.2f} s", flush=True)
+        model = {"ferrolm": "m", "mlx": str(HF), "llamacpp": str(GGUF)}
+        results = {}
+        for name, prompt in prompts.items():
+            runs = {k: [] for k in ["direct", *servers]}
+            for k in servers:  # warm-up
+                stream_completion(servers[k]["url"], unique(prompt), 8, model[k])
+            direct.run(unique(prompt), 8)
+            for i in range(args.runs):
+                runs["direct"].append(direct.run(unique(prompt), args.decode))
+                for k in servers:
+                    runs[k].append(stream_completion(servers[k]["url"], unique(prompt), args.decode, model[k]))
+                print(f"  {name} run {i + 1}: " + ", ".join(
+                    f"{k} {r[-1][0] * 1e3:.0f} ms/{r[-1][1]:.1f} tok/s" for k, r in runs.items()), flush=True)
+            results[name] = {k: {"ttft_ms": med([r[0] for r in v]) * 1e3, "decode_tps": med([r[1] for r in v]),
+                                 "tokens": med([r[2] for r in v]), "runs": v} for k, v in runs.items()}
+        health = health_during_prefill(servers["ferrolm"]["url"], args.health_words)
+    finally:
+        direct.close()
+        for s in servers.values():
+            s["proc"].terminate()
+    write(Path(args.out), args, results, health, {k: v["ready_s"] for k, v in servers.items()})
+
+
+def write(out, args, results, health, ready):
+    out.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "loadavg_at_end": load, "runs": args.runs, "decode_tokens": args.decode}
+    (out / "server.json").write_text(json.dumps({"meta": meta, "results": results, "health": health,
+                                                 "ready_s": ready}, indent=1) + "\n")
+    lines = ["# ferrolm serve: server overhead and peers", "",
+             f"`bench/server_bench.py`, {meta['date']}, {meta['cpus']} CPUs, load average at the end "
+             f"{load[0]:.1f}. SmolLM2-135M-Instruct; ferrolm and llama.cpp on the Q4_1 GGUF, mlx-lm on "
+             f"the same weights as f32 (OpenBLAS). Greedy, {args.decode} generated tokens, median of "
+             f"{args.runs} alternating runs. Streamed `/v1/completions`; decode tok/s = tokens after "
+             "the first / time from the first to the last.", "",
+             "| prompt | system | TTFT ms | decode tok/s |", "|---|---|---|---|"]
+    for name, res in results.items():
+        for k, r in res.items():
+            label = {"direct": "ferrolm engine, no HTTP", "ferrolm": "ferrolm serve",
+                     "mlx": "mlx_lm.server", "llamacpp": "llama.cpp server"}[k]
+            lines.append(f"| {name} | {label} | {r['ttft_ms']:.0f} | {r['decode_tps']:.1f} |")
+    for name, res in results.items():
+        d, s = res["direct"], res["ferrolm"]
+        lines.append("")
+        lines.append(f"Server overhead ({name} prompt): TTFT {s['ttft_ms'] - d['ttft_ms']:+.1f} ms "
+                     f"({(s['ttft_ms'] / d['ttft_ms'] - 1) * 100:+.1f}%), decode "
+                     f"{(s['decode_tps'] / d['decode_tps'] - 1) * 100:+.1f}%.")
+    h = health
+    lines += ["", f"`/health` during a {h['prompt_tokens']}-token prefill ({h['prefill_s']:.1f} s): "
+              f"p50 {h['busy_ms']['p50']:.1f} ms, p99 {h['busy_ms']['p99']:.1f} ms, max "
+              f"{h['busy_ms']['max']:.1f} ms over {h['busy_ms']['n']} probes (idle: p50 "
+              f"{h['idle_ms']['p50']:.1f} ms, max {h['idle_ms']['max']:.1f} ms).",
+              "", "Ready to serve (process start to first 200): " +
+              ", ".join(f"{k} {v:.2f} s" for k, v in ready.items()) + "."]
+    (out / "server.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

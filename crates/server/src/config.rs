@@ -1,0 +1,43 @@
+//! Server settings, resolved once at start from the `serve` flags. Request fields override the
+//! sampling defaults here (request > server flag > built-in).
+
+use ferrolm_core::SamplingParams;
+use serde_json::{Map, Value};
+
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// `--temp`, `--top-p`, `--top-k`, `--min-p` (mlx_lm.server's defaults: 0, 1, 0, 0).
+    pub sampling: SamplingParams,
+    /// `--max-tokens`: the default cap when a request names none (mlx: 512).
+    pub max_tokens: usize,
+    /// `--chat-template-args`: extra template variables; a request's `chat_template_kwargs`
+    /// override them key by key.
+    pub chat_template_args: Map<String, Value>,
+    /// `--allowed-origins`: CORS; `*` allows every origin.
+    pub allowed_origins: Vec<String>,
+    /// `--prefill-step-size`.
+    pub prefill_chunk: usize,
+    /// The id the model is served under (echoed in `model`, listed by `/v1/models`).
+    pub model_id: String,
+    /// Seconds between SSE keep-alive comments while a stream waits for its first token.
+    pub keepalive_secs: f64,
+    /// Test-only (`FERROLM_TEST_FAULTS=1` at start): a request field `x_ferrolm_fault`
+    /// (`"panic"`: the handler panics; `"engine"`: the engine gets an empty prompt and fails)
+    /// exercises the failure paths of the real server.
+    pub fault_injection: bool,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            sampling: SamplingParams::default(),
+            max_tokens: 512,
+            chat_template_args: Map::new(),
+            allowed_origins: vec!["*".into()],
+            prefill_chunk: 2048,
+            model_id: "default_model".into(),
+            keepalive_secs: 2.0,
+            fault_injection: false,
+        }
+    }
+}

@@ -1,0 +1,135 @@
+//! Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with the HTTP
+//! status that goes with them. Messages for parameter validation are mlx_lm.server's, verbatim.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    /// 400 for a request the server will not run; `param` names the offending field.
+    pub fn invalid(message: impl Into<String>, param: Option<&str>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: param.map(str::to_string),
+            code: None,
+        }
+    }
+
+    /// 400 from one of mlx_lm.server's validation messages, which start with the field name.
+    pub fn from_validation(message: String) -> Self {
+        let param = message
+            .split_whitespace()
+            .next()
+            .map(|w| w.trim_matches('`'))
+            .filter(|w| !w.is_empty() && w.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+            // sample_utils.py names XTC's threshold without its prefix.
+            .map(|w| if w == "threshold" { "xtc_threshold" } else { w })
+            .map(str::to_string);
+        let mut e = Self::invalid(message, None);
+        e.param = param;
+        e
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: message.into(),
+            kind: "not_found_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    pub fn method_not_allowed() -> Self {
+        ApiError {
+            status: StatusCode::METHOD_NOT_ALLOWED,
+            message: "Method not allowed".into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    pub fn queue_full() -> Self {
+        ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: "The server is busy: the request queue is full. Retry later.".into(),
+            kind: "rate_limit_error",
+            param: None,
+            code: Some("queue_full"),
+        }
+    }
+
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: Some("engine_unavailable"),
+        }
+    }
+
+    /// 500: this request failed inside the server; others are not affected.
+    pub fn internal(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+
+    pub fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+pub type ApiResult<T> = Result<T, ApiError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation_messages_name_their_field() {
+        let e = ApiError::from_validation("top_p must be at most 1".into());
+        assert_eq!(e.param.as_deref(), Some("top_p"));
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        let e = ApiError::from_validation("`top_k` has to be an integer".into());
+        assert_eq!(e.param.as_deref(), Some("top_k"));
+        let e = ApiError::from_validation("Request should be a JSON dictionary".into());
+        assert_eq!(e.param, None);
+        let b = e.body();
+        assert_eq!(b["error"]["type"], "invalid_request_error");
+        assert!(b["error"]["code"].is_null());
+    }
+}

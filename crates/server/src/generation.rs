@@ -1,0 +1,199 @@
+//! A request's generation seen from the server: submitted to the engine's bounded FIFO (full →
+//! 429), its token events run through the text pipeline, logprob entries collected, metrics
+//! recorded. Dropping a [`Generation`] (the client went away, the response was dropped) cancels
+//! it: the engine stops at its next prefill chunk or decode step and frees the request's caches.
+
+use crate::errors::{ApiError, ApiResult};
+use crate::pipeline::{Delta, PipelineConfig, TextPipeline};
+use crate::protocol::logprobs;
+use crate::protocol::request::LogprobsMode;
+use crate::protocol::response::Usage;
+use crate::state::SharedState;
+use ferrolm_core::{CancelToken, FinishReason, GenerateParams, TokenEvent, TokenId};
+use ferrolm_engine::{Event, Request, SubmitError};
+use serde_json::Value;
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+pub struct GenerationSpec {
+    pub prompt: Vec<TokenId>,
+    pub params: GenerateParams,
+    pub pipeline: PipelineConfig,
+    pub logprobs: LogprobsMode,
+}
+
+/// How a generation ended.
+#[derive(Debug, Clone)]
+pub enum End {
+    Finished { reason: &'static str, usage: Usage },
+    Failed(String),
+}
+
+/// Output decided since the previous piece; `end` is set on the last one.
+#[derive(Debug, Default)]
+pub struct Piece {
+    pub delta: Delta,
+    pub logprobs: Vec<Value>,
+    pub end: Option<End>,
+}
+
+pub struct Generation {
+    state: SharedState,
+    events: UnboundedReceiver<Event>,
+    cancel: CancelToken,
+    pipeline: TextPipeline,
+    logprobs: LogprobsMode,
+    arrived: Instant,
+    last_token: Option<Instant>,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    saw_tool_calls: bool,
+    stop_hit: bool,
+    pending: Piece,
+    ended: bool,
+}
+
+impl Generation {
+    /// Queues the generation; `arrived` is when the HTTP request came in (for TTFT).
+    pub fn start(state: &SharedState, spec: GenerationSpec, arrived: Instant) -> ApiResult<Self> {
+        let cancel = CancelToken::new();
+        let prompt_tokens = spec.prompt.len();
+        let request = Request { prompt: spec.prompt, params: spec.params, cancel: cancel.clone() };
+        let events = state.engine.submit(request).map_err(|e| match e {
+            SubmitError::QueueFull => ApiError::queue_full(),
+            SubmitError::Stopped => ApiError::unavailable(e.to_string()),
+        })?;
+        state.metrics.prompt_tokens(prompt_tokens);
+        Ok(Generation {
+            state: state.clone(),
+            events,
+            cancel,
+            pipeline: TextPipeline::new(spec.pipeline),
+            logprobs: spec.logprobs,
+            arrived,
+            last_token: None,
+            prompt_tokens,
+            completion_tokens: 0,
+            saw_tool_calls: false,
+            stop_hit: false,
+            pending: Piece::default(),
+            ended: false,
+        })
+    }
+
+    /// The next piece with text, tool calls or an end; None after the end. Cancel-safe: state
+    /// lives in `self`, so a dropped call loses nothing.
+    pub async fn next(&mut self) -> Option<Piece> {
+        if self.ended {
+            return None;
+        }
+        loop {
+            let event = self.events.recv().await;
+            self.on_event(event);
+            let p = &self.pending;
+            if p.end.is_some() || !p.delta.is_empty() {
+                return Some(std::mem::take(&mut self.pending));
+            }
+        }
+    }
+
+    /// Runs to the end, concatenating every piece (non-streaming responses).
+    pub async fn collect(&mut self) -> Piece {
+        let mut all = Piece::default();
+        while let Some(p) = self.next().await {
+            all.delta.content.push_str(&p.delta.content);
+            all.delta.reasoning.push_str(&p.delta.reasoning);
+            all.delta.tool_calls.extend(p.delta.tool_calls);
+            all.logprobs.extend(p.logprobs);
+            all.end = p.end;
+        }
+        all
+    }
+
+    fn on_event(&mut self, event: Option<Event>) {
+        match event {
+            Some(Event::Token(t)) => self.on_token(t),
+            Some(Event::Done(stats)) => {
+                let reason = self.finish_reason(stats.finish_reason);
+                let usage = Usage {
+                    prompt_tokens: self.prompt_tokens,
+                    completion_tokens: self.completion_tokens,
+                    cached_tokens: stats.cached_tokens,
+                };
+                self.end(End::Finished { reason, usage });
+            }
+            Some(Event::Error(message)) => self.end(End::Failed(message)),
+            None => self.end(End::Failed("the engine stopped unexpectedly".into())),
+        }
+    }
+
+    fn on_token(&mut self, t: TokenEvent) {
+        let now = Instant::now();
+        let metrics = &self.state.metrics;
+        metrics.generated_token();
+        match self.last_token {
+            None => metrics.ttft((now - self.arrived).as_secs_f64()),
+            Some(prev) => metrics.inter_token((now - prev).as_secs_f64()),
+        }
+        self.last_token = Some(now);
+        // After a stop string the engine may still deliver the token it was computing.
+        if self.stop_hit {
+            return;
+        }
+        self.completion_tokens += 1;
+        let bundle = self.state.bundle();
+        let entry = logprobs::entry(&bundle.tokenizer, self.logprobs, t.logprobs.as_ref());
+        self.pending.logprobs.extend(entry);
+        // The EOS token ends the text; it is not decoded (mlx-lm does the same).
+        if bundle.eos_ids.contains(&t.token) {
+            return;
+        }
+        let (delta, hit) = self.pipeline.push(&bundle.tokenizer, t.token);
+        self.add(delta);
+        if hit {
+            self.stop_hit = true;
+            self.cancel.cancel();
+        }
+    }
+
+    fn add(&mut self, delta: Delta) {
+        self.saw_tool_calls |= !delta.tool_calls.is_empty();
+        let p = &mut self.pending.delta;
+        p.content.push_str(&delta.content);
+        p.reasoning.push_str(&delta.reasoning);
+        p.tool_calls.extend(delta.tool_calls);
+    }
+
+    fn end(&mut self, end: End) {
+        let tail = self.pipeline.finish();
+        self.add(tail);
+        self.ended = true;
+        self.state.metrics.duration(self.arrived.elapsed().as_secs_f64());
+        self.pending.end = Some(match end {
+            End::Finished { reason, usage } if self.saw_tool_calls && reason == "stop" => {
+                End::Finished { reason: "tool_calls", usage }
+            }
+            e => e,
+        });
+    }
+
+    /// A stop string or the engine's observed cause; tool calls turn `stop` into `tool_calls`.
+    fn finish_reason(&self, engine: Option<FinishReason>) -> &'static str {
+        if self.stop_hit {
+            return "stop";
+        }
+        match engine {
+            Some(FinishReason::Length) => "length",
+            _ => "stop",
+        }
+    }
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.cancel.cancel();
+            self.state.metrics.cancelled();
+        }
+    }
+}

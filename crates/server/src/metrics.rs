@@ -1,0 +1,194 @@
+//! Prometheus metrics in the text exposition format, kept by hand (no registry crate): request
+//! counts by endpoint and status, prompt and generated tokens, time to first token and
+//! inter-token latency histograms, request duration, and the engine's queue depth.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// Upper bounds in seconds (`le`), Prometheus style; +Inf is implicit.
+const TTFT_BUCKETS: &[f64] =
+    &[0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+const ITL_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0];
+const DURATION_BUCKETS: &[f64] = &[0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
+
+#[derive(Debug)]
+struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Self {
+        Histogram { bounds, counts: vec![0; bounds.len()], sum: 0.0, count: 0 }
+    }
+
+    fn observe(&mut self, v: f64) {
+        if let Some(i) = self.bounds.iter().position(|&b| v <= b) {
+            self.counts[i] += 1;
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            cumulative += c;
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(out, "{name}_sum {}", self.sum);
+        let _ = writeln!(out, "{name}_count {}", self.count);
+    }
+}
+
+#[derive(Debug)]
+pub struct Metrics {
+    requests: Mutex<BTreeMap<(String, u16), u64>>,
+    prompt_tokens: AtomicU64,
+    generation_tokens: AtomicU64,
+    cancelled: AtomicU64,
+    ttft: Mutex<Histogram>,
+    itl: Mutex<Histogram>,
+    duration: Mutex<Histogram>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            requests: Mutex::default(),
+            prompt_tokens: AtomicU64::new(0),
+            generation_tokens: AtomicU64::new(0),
+            cancelled: AtomicU64::new(0),
+            ttft: Mutex::new(Histogram::new(TTFT_BUCKETS)),
+            itl: Mutex::new(Histogram::new(ITL_BUCKETS)),
+            duration: Mutex::new(Histogram::new(DURATION_BUCKETS)),
+        }
+    }
+}
+
+/// Instantaneous values read from elsewhere when rendering.
+pub struct Gauges {
+    pub queued: usize,
+    pub running: usize,
+}
+
+impl Metrics {
+    pub fn request(&self, endpoint: &str, status: u16) {
+        if let Ok(mut m) = self.requests.lock() {
+            *m.entry((endpoint.to_string(), status)).or_default() += 1;
+        }
+    }
+
+    pub fn prompt_tokens(&self, n: usize) {
+        self.prompt_tokens.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    pub fn generated_token(&self) {
+        self.generation_tokens.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn cancelled(&self) {
+        self.cancelled.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn ttft(&self, seconds: f64) {
+        observe(&self.ttft, seconds);
+    }
+
+    pub fn inter_token(&self, seconds: f64) {
+        observe(&self.itl, seconds);
+    }
+
+    pub fn duration(&self, seconds: f64) {
+        observe(&self.duration, seconds);
+    }
+
+    pub fn render(&self, gauges: &Gauges) -> String {
+        let mut out = String::new();
+        out.push_str("# HELP ferrolm_requests_total HTTP requests by endpoint and status code.\n");
+        out.push_str("# TYPE ferrolm_requests_total counter\n");
+        if let Ok(m) = self.requests.lock() {
+            for ((endpoint, status), n) in m.iter() {
+                let _ = writeln!(out, "ferrolm_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} {n}");
+            }
+        }
+        counter(&mut out, "ferrolm_prompt_tokens_total", "Prompt tokens of admitted requests.", &self.prompt_tokens);
+        counter(&mut out, "ferrolm_generation_tokens_total", "Tokens generated.", &self.generation_tokens);
+        counter(
+            &mut out,
+            "ferrolm_requests_cancelled_total",
+            "Generations stopped because the client went away.",
+            &self.cancelled,
+        );
+        gauge(&mut out, "ferrolm_queue_depth", "Requests waiting for the engine.", gauges.queued);
+        gauge(&mut out, "ferrolm_requests_running", "Requests the engine is running.", gauges.running);
+        let hist = |h: &Mutex<Histogram>, out: &mut String, name: &str, help: &str| {
+            if let Ok(h) = h.lock() {
+                h.render(out, name, help);
+            }
+        };
+        hist(
+            &self.ttft,
+            &mut out,
+            "ferrolm_time_to_first_token_seconds",
+            "From request arrival to the first generated token.",
+        );
+        hist(
+            &self.itl,
+            &mut out,
+            "ferrolm_inter_token_latency_seconds",
+            "Between consecutive generated tokens of a request.",
+        );
+        hist(
+            &self.duration,
+            &mut out,
+            "ferrolm_request_duration_seconds",
+            "From request arrival to the end of its generation.",
+        );
+        out
+    }
+}
+
+fn observe(h: &Mutex<Histogram>, v: f64) {
+    if let Ok(mut h) = h.lock() {
+        h.observe(v);
+    }
+}
+
+fn counter(out: &mut String, name: &str, help: &str, v: &AtomicU64) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", v.load(Ordering::Relaxed));
+}
+
+fn gauge(out: &mut String, name: &str, help: &str, v: usize) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_prometheus_text() {
+        let m = Metrics::default();
+        m.request("/v1/chat/completions", 200);
+        m.request("/v1/chat/completions", 200);
+        m.prompt_tokens(12);
+        m.generated_token();
+        m.ttft(0.03);
+        m.inter_token(0.012);
+        let text = m.render(&Gauges { queued: 2, running: 1 });
+        assert!(text.contains("ferrolm_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 2"));
+        assert!(text.contains("ferrolm_prompt_tokens_total 12"));
+        assert!(text.contains("ferrolm_queue_depth 2"));
+        assert!(text.contains("ferrolm_time_to_first_token_seconds_bucket{le=\"0.025\"} 0"));
+        assert!(text.contains("ferrolm_time_to_first_token_seconds_bucket{le=\"0.05\"} 1"));
+        assert!(text.contains("ferrolm_inter_token_latency_seconds_count 1"));
+        assert!(text.contains("ferrolm_time_to_first_token_seconds_bucket{le=\"+Inf\"} 1"));
+    }
+}

@@ -1,0 +1,161 @@
+//! The request fields both completion endpoints share: the body as JSON, mlx_lm.server's
+//! parameter validation (its messages, verbatim), `stream`, `stream_options`, `stop`,
+//! `max_tokens` / `max_completion_tokens`, logprobs and the sampling fields.
+
+use crate::config::ServerConfig;
+use crate::errors::{ApiError, ApiResult};
+use ferrolm_core::SamplingParams;
+use ferrolm_sample::json::params_from_body;
+use serde_json::{Map, Value};
+
+/// Which logprobs a request wants (mlx-lm: `top_logprobs > 0` wins over `logprobs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogprobsMode {
+    Off,
+    /// `logprobs: true`: the sampled token's logprob.
+    Sampled,
+    /// `top_logprobs: n`: the top n alternatives with each token.
+    Top(usize),
+}
+
+#[derive(Clone, Debug)]
+pub struct CommonParams {
+    pub stream: bool,
+    pub include_usage: bool,
+    /// As the request gave it; None: the server default (capped by the context).
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    pub logprobs: LogprobsMode,
+}
+
+/// Parses the body; mlx_lm.server's messages for invalid JSON and a non-object body.
+pub fn parse_body(bytes: &[u8]) -> ApiResult<Map<String, Value>> {
+    let value: Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::invalid(format!("Invalid JSON in request body: {e}"), None))?;
+    match value {
+        Value::Object(m) => Ok(m),
+        _ => Err(ApiError::invalid("Request should be a JSON dictionary", None)),
+    }
+}
+
+pub fn parse_common(body: &Map<String, Value>, cfg: &ServerConfig, vocab_size: usize) -> ApiResult<CommonParams> {
+    let whole = Value::Object(body.clone());
+    let sampling = params_from_body(&whole, &cfg.sampling).map_err(ApiError::from_validation)?;
+    ferrolm_sample::validate_for_vocab(&sampling, vocab_size).map_err(ApiError::from_validation)?;
+    let logprobs = match sampling.logprobs {
+        None => LogprobsMode::Off,
+        Some(0) => LogprobsMode::Sampled,
+        Some(n) => LogprobsMode::Top(n),
+    };
+    Ok(CommonParams {
+        stream: body.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        include_usage: include_usage(body)?,
+        max_tokens: max_tokens(body),
+        sampling,
+        stop: stop_strings(body)?,
+        logprobs,
+    })
+}
+
+/// `max_completion_tokens` wins unless absent or null (validated as an int >= 1 already).
+fn max_tokens(body: &Map<String, Value>) -> Option<usize> {
+    let v = match body.get("max_completion_tokens") {
+        Some(v) if !v.is_null() => v,
+        _ => body.get("max_tokens")?,
+    };
+    match v {
+        Value::Bool(b) => Some(*b as usize),
+        v => v.as_u64().map(|n| n as usize),
+    }
+}
+
+fn include_usage(body: &Map<String, Value>) -> ApiResult<bool> {
+    match body.get("stream_options") {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Object(o)) => match o.get("include_usage") {
+            None | Some(Value::Null) => Ok(false),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(_) => {
+                Err(ApiError::invalid("stream_options.include_usage must be of type bool", Some("stream_options")))
+            }
+        },
+        Some(_) => Err(ApiError::invalid("stream_options must be of type dict", Some("stream_options"))),
+    }
+}
+
+/// `stop`: a string or a list of strings; empty strings are ignored.
+fn stop_strings(body: &Map<String, Value>) -> ApiResult<Vec<String>> {
+    let err = || ApiError::invalid("stop must be of type str or list of str", Some("stop"));
+    let list = match body.get("stop") {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => {
+            items.iter().map(|v| v.as_str().map(str::to_string).ok_or_else(err)).collect::<ApiResult<Vec<_>>>()?
+        }
+        Some(_) => return Err(err()),
+    };
+    Ok(list.into_iter().filter(|s| !s.is_empty()).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(v: Value) -> ApiResult<CommonParams> {
+        let Value::Object(m) = v else { panic!() };
+        parse_common(&m, &ServerConfig::default(), 1000)
+    }
+
+    #[test]
+    fn defaults_and_fields() {
+        let p = parse(json!({"messages": []})).unwrap();
+        assert!(!p.stream && !p.include_usage);
+        assert_eq!(p.max_tokens, None);
+        assert_eq!(p.logprobs, LogprobsMode::Off);
+        let p = parse(json!({"stream": true, "stream_options": {"include_usage": true},
+            "max_tokens": 5, "max_completion_tokens": 7, "stop": ["a", ""], "temperature": 0.5,
+            "logprobs": true, "top_logprobs": 3, "seed": 4}))
+        .unwrap();
+        assert!(p.stream && p.include_usage);
+        assert_eq!(p.max_tokens, Some(7));
+        assert_eq!(p.stop, vec!["a"]);
+        assert_eq!(p.logprobs, LogprobsMode::Top(3));
+        assert_eq!(p.sampling.seed, Some(4));
+        assert_eq!(p.sampling.temperature, 0.5);
+        let p = parse(json!({"logprobs": true, "stop": "x"})).unwrap();
+        assert_eq!(p.logprobs, LogprobsMode::Sampled);
+        assert_eq!(p.stop, vec!["x"]);
+    }
+
+    #[test]
+    fn errors_name_the_field_with_mlx_messages() {
+        let cases = [
+            (json!({"temperature": "hot"}), "temperature must be of type ('float', 'int')", "temperature"),
+            (json!({"top_p": 2}), "top_p must be at most 1", "top_p"),
+            (json!({"max_tokens": 0}), "max_tokens must be at least 1", "max_tokens"),
+            (json!({"max_tokens": 1.5}), "max_tokens must be of type int", "max_tokens"),
+            (json!({"logprobs": 1}), "logprobs must be of type bool", "logprobs"),
+            (json!({"top_logprobs": 12}), "top_logprobs must be at most 11", "top_logprobs"),
+            (json!({"stop": 3}), "stop must be of type str or list of str", "stop"),
+            (json!({"stream_options": 1}), "stream_options must be of type dict", "stream_options"),
+            (
+                json!({"temperature": 1, "top_k": 5000}),
+                "`top_k` has to be an integer in the (0, 1000) interval, but is 5000.",
+                "top_k",
+            ),
+        ];
+        for (body, msg, param) in cases {
+            let e = parse(body).unwrap_err();
+            assert_eq!(e.message, msg);
+            assert_eq!(e.param.as_deref(), Some(param), "{msg}");
+        }
+    }
+
+    #[test]
+    fn body_must_be_a_json_object() {
+        assert_eq!(parse_body(b"[1]").unwrap_err().message, "Request should be a JSON dictionary");
+        assert!(parse_body(b"{bad").unwrap_err().message.starts_with("Invalid JSON in request body: "));
+    }
+}

@@ -1,0 +1,179 @@
+//! The router: mlx_lm.server's endpoints (`/v1/chat/completions` and its `/chat/completions`
+//! alias, `/v1/completions`, `/v1/models`, `/health`) plus `/metrics`; CORS as mlx_lm.server
+//! sends it (`--allowed-origins`, OPTIONS answered 204); every response counted by endpoint and
+//! status; errors in OpenAI's shape, also for unknown paths and methods.
+
+mod chat;
+mod completions;
+mod models;
+mod prompt;
+
+use crate::errors::{ApiError, ApiResult};
+use crate::generation::{End, Generation, GenerationSpec, Piece};
+use crate::pipeline::PipelineConfig;
+use crate::protocol::request::CommonParams;
+use crate::protocol::response::{self, Meta, Usage};
+use crate::state::{unix_now, SharedState};
+use crate::stream::{self, Kind, StreamOptions};
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use futures_util::FutureExt;
+use serde_json::{Map, Value};
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::time::{Duration, Instant};
+
+/// Bodies up to this size are read (axum's default of 2 MB is too small for long contexts).
+const MAX_BODY_BYTES: usize = 256 << 20;
+
+pub fn router(state: SharedState) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat::handle))
+        .route("/chat/completions", post(chat::handle))
+        .route("/v1/completions", post(completions::handle))
+        .route("/v1/models", get(models::list))
+        .route("/v1/models/{*id}", get(models::one))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(state.clone(), observe))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+/// `{"status": "ok"}`, byte for byte what mlx_lm.server answers. Never touches the engine
+/// thread, so it answers during a long prefill.
+async fn health() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], r#"{"status": "ok"}"#).into_response()
+}
+
+async fn metrics(State(state): State<SharedState>) -> Response {
+    let text = state.metrics.render(&state.gauges());
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
+
+async fn not_found(method: Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::not_found(format!("Not found: {method} {}", uri.path()))
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::method_not_allowed()
+}
+
+/// CORS preflight and headers, and the request counter.
+async fn observe(State(state): State<SharedState>, req: Request, next: Next) -> Response {
+    let origin = req.headers().get(header::ORIGIN).cloned();
+    let endpoint = req.extensions().get::<MatchedPath>().map_or("other", |p| p.as_str()).to_string();
+    let mut resp =
+        if req.method() == Method::OPTIONS { StatusCode::NO_CONTENT.into_response() } else { next.run(req).await };
+    cors(&state.config.allowed_origins, origin, resp.headers_mut());
+    state.metrics.request(&endpoint, resp.status().as_u16());
+    resp
+}
+
+fn cors(allowed: &[String], origin: Option<HeaderValue>, h: &mut HeaderMap) {
+    let any = HeaderValue::from_static("*");
+    if allowed.iter().any(|o| o == "*") {
+        h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, any.clone());
+    } else if let Some(o) = origin.filter(|o| allowed.iter().any(|a| a.as_bytes() == o.as_bytes())) {
+        h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, o);
+        h.insert(header::VARY, HeaderValue::from_static("Origin"));
+    }
+    h.insert(header::ACCESS_CONTROL_ALLOW_METHODS, any.clone());
+    h.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, any);
+}
+
+/// Runs a handler; a panic becomes a 500 for this request only.
+async fn guarded(fut: impl Future<Output = Result<Response, ApiError>>) -> Response {
+    match AssertUnwindSafe(fut).catch_unwind().await {
+        Ok(Ok(resp)) => resp,
+        Ok(Err(e)) => e.into_response(),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            tracing::error!("request handler panicked: {what}");
+            ApiError::internal(format!("internal error: {what}")).into_response()
+        }
+    }
+}
+
+/// The test-only fault a request asks for (see `ServerConfig::fault_injection`).
+fn injected_fault(state: &SharedState, body: &Map<String, Value>) -> Option<String> {
+    if !state.config.fault_injection {
+        return None;
+    }
+    let fault = body.get("x_ferrolm_fault")?.as_str()?.to_string();
+    if fault == "panic" {
+        panic!("injected fault");
+    }
+    Some(fault)
+}
+
+/// A generation queued for a request: already a streaming response, or to be collected.
+enum Started {
+    Stream(Response),
+    Whole(Generation, Meta),
+}
+
+/// Queues the generation (429 when the queue is full) and, for `stream`, opens the SSE response.
+#[allow(clippy::too_many_arguments)]
+fn start(
+    state: &SharedState,
+    body: &Map<String, Value>,
+    kind: Kind,
+    common: &CommonParams,
+    mut prompt: Vec<u32>,
+    max_tokens: usize,
+    pipeline: PipelineConfig,
+    arrived: Instant,
+) -> ApiResult<Started> {
+    if injected_fault(state, body).as_deref() == Some("engine") {
+        prompt.clear();
+    }
+    let params = ferrolm_core::GenerateParams {
+        max_tokens,
+        sampling: common.sampling.clone(),
+        prefill_chunk: state.config.prefill_chunk,
+        ..Default::default()
+    };
+    let spec = GenerationSpec { prompt, params, pipeline, logprobs: common.logprobs };
+    let gen = Generation::start(state, spec, arrived)?;
+    let prefix = match kind {
+        Kind::Chat => "chatcmpl",
+        Kind::Text => "cmpl",
+    };
+    let meta = Meta {
+        id: response::response_id(prefix),
+        created: unix_now(),
+        model: state.config.model_id.clone(),
+        fingerprint: state.fingerprint.clone(),
+    };
+    if !common.stream {
+        return Ok(Started::Whole(gen, meta));
+    }
+    let opts = StreamOptions {
+        kind,
+        meta,
+        include_usage: common.include_usage,
+        keepalive: Duration::from_secs_f64(state.config.keepalive_secs),
+    };
+    Ok(Started::Stream(stream::response(gen, opts)))
+}
+
+/// Runs a non-streaming generation to its end; a failure is a 500.
+async fn finished(gen: &mut Generation) -> ApiResult<(Piece, &'static str, Usage)> {
+    let mut all = gen.collect().await;
+    match all.end.take() {
+        Some(End::Finished { reason, usage }) => Ok((all, reason, usage)),
+        Some(End::Failed(message)) => Err(ApiError::internal(message)),
+        None => Err(ApiError::internal("the generation ended without a result")),
+    }
+}

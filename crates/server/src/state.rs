@@ -1,0 +1,61 @@
+//! What every handler shares: the engine handle, settings, metrics and facts about the model.
+
+use crate::config::ServerConfig;
+use crate::metrics::{Gauges, Metrics};
+use ferrolm_engine::{Bundle, EngineHandle};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub config: ServerConfig,
+    pub metrics: Metrics,
+    /// Unix time the server started (the `created` of `/v1/models`).
+    pub started: u64,
+    pub fingerprint: String,
+    /// The model's reasoning tags when its vocabulary has them (`<think>`, `</think>`).
+    pub think_tags: Option<(String, String)>,
+    /// Whether the chat template reads `tools`; otherwise tools are described in the system
+    /// message (see `protocol::tools`).
+    pub template_has_tools: bool,
+}
+
+pub type SharedState = Arc<AppState>;
+
+impl AppState {
+    /// `template_source`: the chat template in use (the model's own or `--chat-template`).
+    pub fn new(engine: EngineHandle, config: ServerConfig, template_source: Option<&str>) -> Self {
+        let bundle = engine.bundle().clone();
+        let think_tags = think_tags(&bundle);
+        let template_has_tools = template_source.is_some_and(|t| t.contains("tools"));
+        AppState {
+            engine,
+            config,
+            metrics: Metrics::default(),
+            started: unix_now(),
+            fingerprint: format!("ferrolm-{}", env!("CARGO_PKG_VERSION")),
+            think_tags,
+            template_has_tools,
+        }
+    }
+
+    pub fn bundle(&self) -> &Arc<Bundle> {
+        self.engine.bundle()
+    }
+
+    pub fn gauges(&self) -> Gauges {
+        let g = self.engine.gauges();
+        Gauges { queued: g.queued.load(Ordering::Relaxed), running: g.running.load(Ordering::Relaxed) }
+    }
+}
+
+/// `<think>`/`</think>` when both are single tokens of the vocabulary (mlx-lm's rule).
+fn think_tags(bundle: &Bundle) -> Option<(String, String)> {
+    let t = &bundle.tokenizer;
+    let (start, end) = ("<think>", "</think>");
+    (t.token_to_id(start).is_some() && t.token_to_id(end).is_some()).then(|| (start.to_string(), end.to_string()))
+}
+
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}

@@ -1,0 +1,90 @@
+"""Tool calling with the real model. SmolLM2's chat template ignores tools, so the server
+describes them in the system message (Qwen2.5 / Hermes style) and renders earlier calls as
+`<tool_call>` blocks; two earlier calls in the history make the 135M model call the tool
+again, deterministically under greedy decoding."""
+import json
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def call(city, i):
+    return {"role": "assistant", "content": None, "tool_calls": [{
+        "id": f"call_{i}", "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]}
+
+
+HISTORY = [{"role": "user", "content": "What is the weather in London?"}, call("London", 1),
+           {"role": "user", "content": "What is the weather in Madrid?"}, call("Madrid", 2)]
+ASK = HISTORY + [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def create(client, **kw):
+    kw.setdefault("model", "m")
+    kw.setdefault("messages", ASK)
+    kw.setdefault("tools", TOOLS)
+    kw.setdefault("max_tokens", 60)
+    return client.chat.completions.create(**kw)
+
+
+def test_tool_call_non_streaming(client):
+    r = create(client)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls"
+    assert c.message.content is None
+    (tc,) = c.message.tool_calls
+    assert tc.type == "function"
+    assert tc.id.startswith("call_")
+    assert tc.function.name == "get_weather"
+    assert isinstance(tc.function.arguments, str)
+    assert json.loads(tc.function.arguments) == {"city": "Paris"}
+    # mlx_lm.server writes arguments with Python's json.dumps.
+    assert tc.function.arguments == '{"city": "Paris"}'
+
+
+def test_tool_call_streaming(client):
+    chunks = list(create(client, stream=True))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1
+    assert calls[0].index == 0
+    assert calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # The markup itself never streams as content.
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "<tool_call>" not in text
+
+
+def test_truncated_tool_call_comes_back_as_content(client):
+    r = create(client, max_tokens=12)
+    c = r.choices[0]
+    assert c.finish_reason == "length"
+    assert not c.message.tool_calls
+    assert c.message.content.startswith('<tool_call>\n{"name": "get_')
+
+
+def test_tool_choice_none_disables_parsing(client):
+    r = create(client, tool_choice="none")
+    c = r.choices[0]
+    assert not c.message.tool_calls
+    assert c.finish_reason in ("stop", "length")
+
+
+def test_named_tool_choice_must_exist(http):
+    r = http.post("/v1/chat/completions", json={
+        "messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "tool_choice"
+
+
+def test_round_trip_with_a_tool_result(client):
+    first = create(client).choices[0].message
+    tc = first.tool_calls[0]
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [tc.model_dump()]},
+        {"role": "tool", "tool_call_id": tc.id, "content": json.dumps({"temperature": 21, "sky": "clear"})},
+    ]
+    r = create(client, messages=messages)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r.usage.prompt_tokens > create(client).usage.prompt_tokens

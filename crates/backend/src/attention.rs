@@ -175,7 +175,9 @@ multiversion_plain!(fn attend_rows(job: &Job, rows: std::ops::Range<usize>, scor
 fn attend_rows_impl<F: MulAdd>(job: &Job, rows: std::ops::Range<usize>, scores: &mut [f32], out: SharedOut) {
     let (d, p) = (job.d, &job.op.params);
     let mut acc = vec![0f32; d];
-    for row in rows {
+    let n = job.q.len() / d;
+    for v in rows {
+        let row = interleave_ends(v, n);
         let (i, h) = (row / job.hq, row % job.hq);
         let head = h / job.group;
         let (lo, hi) = visible_keys(job.op.pos.query_start + i, job.s, job.op.pos, p.window);
@@ -206,6 +208,18 @@ fn attend_rows_impl<F: MulAdd>(job: &Job, rows: std::ops::Range<usize>, scores: 
             // SAFETY: each thread owns distinct rows of the output.
             unsafe { out.write(row * d + c, a * inv) };
         }
+    }
+}
+
+/// Maps the v-th work item to a row, alternating from both ends (0, n-1, 1, n-2, …): under a
+/// causal mask later rows see more keys, so any contiguous range of items then carries about
+/// its share of the work and the threads finish together.
+#[inline(always)]
+fn interleave_ends(v: usize, n: usize) -> usize {
+    if v % 2 == 0 {
+        v / 2
+    } else {
+        n - 1 - v / 2
     }
 }
 

@@ -61,7 +61,8 @@ pub fn run(args: Args) -> CliResult<()> {
             "model": b.path.display().to_string(), "load_s": load_s, "threads": ferrolm_backend::cpu::threads::num_threads(),
             "prompt_tokens": prompt.len(), "decode_tokens": args.decode_tokens, "runs": args.runs,
             "prefill_tps": p, "decode_tps": d, "ttft_ms": t, "peak_rss_mb": rss,
-            "prefill_runs": prefill, "decode_runs": decode,
+            "prefill_runs": prefill, "decode_runs": decode, "weight_bytes": model.info().weight_bytes,
+            "device": format!("{:?}", model.device()),
         });
         println!("{obj}");
     } else {

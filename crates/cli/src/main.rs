@@ -1,6 +1,7 @@
 //! `ferrolm`: serve, generate and benchmark LLMs on CPUs and NVIDIA GPUs.
 
 mod bench;
+mod dump_logits;
 mod generate;
 mod serve;
 
@@ -26,6 +27,15 @@ enum Command {
     Generate(generate::Args),
     /// Measure prefill and decode speed on the model.
     Bench(bench::Args),
+    /// Write teacher-forced logits (correctness checks against other implementations).
+    #[command(hide = true)]
+    DumpLogits(dump_logits::Args),
+    /// Check ferrolm's CUDA kernels against candle's compositions on a GPU (builds with `cuda`).
+    #[command(hide = true)]
+    GpuCheck {
+        #[arg(long, default_value = "cuda")]
+        device: String,
+    },
 }
 
 fn main() -> ExitCode {
@@ -40,6 +50,8 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::DumpLogits(args) => dump_logits::run(args),
+        Command::GpuCheck { device } => gpu_check(&device),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -48,6 +60,28 @@ fn main() -> ExitCode {
             ExitCode::from(e.exit_code())
         }
     }
+}
+
+/// Runs the CUDA kernel self-checks and prints one line per check; fails if any check fails.
+#[cfg(feature = "cuda")]
+fn gpu_check(device: &str) -> Result<(), CliError> {
+    let dev = ferrolm_backend::parse_device(device).map_err(CliError::usage)?;
+    let checks = ferrolm_backend::cuda::selftest::run(&dev).map_err(CliError::runtime)?;
+    let failed = checks.iter().filter(|c| !c.passed()).count();
+    for c in &checks {
+        let verdict = if c.passed() { "ok  " } else { "FAIL" };
+        println!("{verdict} {:<60} error {:.3e} (bound {:.1e})", c.name, c.error, c.bound);
+    }
+    println!("{} checks, {failed} failed", checks.len());
+    if failed > 0 {
+        return Err(CliError::runtime(format!("{failed} CUDA kernel checks failed")));
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_check(_device: &str) -> Result<(), CliError> {
+    Err(CliError::usage("this ferrolm was built without CUDA (cargo feature `cuda`)"))
 }
 
 /// A command's failure with the exit code it maps to: 2 for a bad model or bad input.

@@ -204,13 +204,13 @@ impl CausalLm for Llama {
                     c.num_key_value_heads,
                     c.head_dim,
                     w,
-                    DType::F32,
+                    ferrolm_backend::activation_dtype(&self.device),
                     &self.device,
                 )) as Box<dyn KvCache>,
                 None => Box::new(PlainCache::new(
                     c.num_key_value_heads,
                     c.head_dim,
-                    DType::F32,
+                    ferrolm_backend::activation_dtype(&self.device),
                     &self.device,
                 )) as Box<dyn KvCache>,
             })

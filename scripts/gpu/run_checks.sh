@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine through the device tool, from the repo root, after scripts/gpu/build.sh
+# filled gpu-carry/ here:
+#   run(command="bash scripts/gpu/run_checks.sh [STEP ...]", carry=["gpu-carry"])
+# Unpacks the binary, runs ferrolm's CUDA kernel self-checks, makes the random-weight models with
+# transformers, then scripts/gpu/checks.py (bandwidth, logits vs transformers, benchmarks).
+# Logs and results.json land in $OUT.
+set -uo pipefail
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export NCCL_NVLS_ENABLE=0
+OUT=${OUT:-/tmp/ferrolm-gpu-out}
+W=/tmp/ferrolm-gpu
+mkdir -p "$W/bin" "$W/models" "$OUT"
+xz -dc gpu-carry/ferrolm.xz > "$W/bin/ferrolm" && chmod +x "$W/bin/ferrolm"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+git log -1 --format='%H %cd' 2>/dev/null | tee -a "$OUT/device.txt" || true
+echo "== kernel self-checks"
+"$W/bin/ferrolm" gpu-check 2>&1 | tee "$OUT/gpu-check.txt"
+echo "== models"
+python scripts/gpu/make_models.py "$W/models" gpu-carry/tokenizer ${MODELS:-} 2>&1 | tail -5
+echo "== checks and benchmarks"
+python scripts/gpu/checks.py "$W/bin" "$W/models" "$OUT" "$@" 2>&1 | tee "$OUT/checks.log"

@@ -3,6 +3,9 @@
 //!   cargo run -p ferrolm-sample --release --example sample_bench [-- --device]
 //!
 //! `--device` also times the device path (on candle's CPU device unless built with a GPU).
+//! `--step-ms VOCAB=MS` (repeatable) gives a model's decode step time at that vocabulary
+//! (bench/sampling.sh measures them with `ferrolm bench` in the same run); the table then shows
+//! sampling's share of the step: sample / (step + sample).
 //! Logits: "peaked" = N(0, 2.5²) with a few tokens 12-18 nats up (a typical LM step);
 //! "flat" = N(0, 1) (a high-entropy step, the worst case for top_p).
 
@@ -74,11 +77,24 @@ fn time_us(s: &mut Sampler, t: &Tensor, history: &[u32], iters: usize) -> (f64, 
     (v[v.len() / 2], v[v.len() * 9 / 10])
 }
 
+/// `--step-ms VOCAB=MS` pairs from the command line.
+fn step_times() -> Vec<(usize, f64)> {
+    let args: Vec<String> = std::env::args().collect();
+    args.windows(2)
+        .filter(|w| w[0] == "--step-ms")
+        .filter_map(|w| {
+            let (v, ms) = w[1].split_once('=')?;
+            Some((v.parse().ok()?, ms.parse().ok()?))
+        })
+        .collect()
+}
+
 fn main() {
     let device_too = std::env::args().any(|a| a == "--device");
+    let steps = step_times();
     let history: Vec<u32> = (0..1000u32).map(|i| (i * 2654435761u32) % 49_152).collect();
-    println!("| vocab | logits | config | path | median µs | p90 µs |");
-    println!("|---|---|---|---|---|---|");
+    println!("| vocab | logits | config | path | median µs | p90 µs | share of decode step |");
+    println!("|---|---|---|---|---|---|---|");
     for vocab in [49_152usize, 262_144] {
         for peaked in [true, false] {
             let x = logits(vocab, peaked, 5);
@@ -91,7 +107,11 @@ fn main() {
                     let iters = if path == Path::Device { 30 } else { 300 };
                     let (med, p90) = time_us(&mut s, &t, &history, iters);
                     let kind = if peaked { "peaked" } else { "flat" };
-                    println!("| {vocab} | {kind} | {name} | {path:?} | {med:.1} | {p90:.1} |");
+                    let share = match steps.iter().find(|(v, _)| *v == vocab) {
+                        Some((_, ms)) => format!("{:.2}%", 100.0 * med / (ms * 1e3 + med)),
+                        None => "-".into(),
+                    };
+                    println!("| {vocab} | {kind} | {name} | {path:?} | {med:.1} | {p90:.1} | {share} |");
                 }
             }
         }

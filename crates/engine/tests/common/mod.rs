@@ -34,6 +34,10 @@ pub struct Oracle {
 pub struct Step {
     pub top_ids: Vec<u32>,
     pub top_logits: Vec<f32>,
+    /// log Σ exp(logits) over the whole vocabulary (f64), where the fixture records it:
+    /// the oracle's logprob of a token is its logit minus this.
+    #[serde(default)]
+    pub log_norm: Option<f64>,
 }
 
 impl Step {

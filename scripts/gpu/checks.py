@@ -46,7 +46,7 @@ def hf_logits(path, ids, dtype, start):
 
 
 def ferrolm_logits(path, ids, device, start, vocab):
-    f = f"{OUT}/logits-{os.path.basename(path)}-{device.replace(':', '')}.bin"
+    f = f"/tmp/logits-{os.path.basename(path)}-{device.replace(':', '')}.bin"
     subprocess.run([f"{BIN}/ferrolm", "dump-logits", "--model", path, "--ids", json.dumps(ids), "--out", f,
                     "--device", device, "--from", str(start)], check=True, timeout=600)
     return np.fromfile(f, dtype="<f4").reshape(-1, vocab)
@@ -74,20 +74,30 @@ def logits_checks():
         gpu = compare(ferrolm_logits(path, ids, "cuda", start, vocab), ref)
         r = {"transformers_bf16": yard, "ferrolm_cuda": gpu,
              "cuda_ok": gpu["rel"] <= 2 * yard["rel"] + 1e-3}
-        if name == "smollm2-135m":
-            cpu = compare(ferrolm_logits(path, ids, "cpu", start, vocab), ref)
-            r["ferrolm_cpu"] = cpu
-            r["cpu_ok"] = cpu["rel"] <= 1e-3
+        cpu = compare(ferrolm_logits(path, ids, "cpu", start, vocab), ref)
+        r["ferrolm_cpu"] = cpu
+        r["cpu_ok"] = cpu["rel"] <= 1e-3
+        os.environ["FERROLM_CUDA_KERNELS"] = "0"  # candle's ops only: tells kernels from the rest
+        r["ferrolm_cuda_candle_ops"] = compare(ferrolm_logits(path, ids, "cuda", start, vocab), ref)
+        del os.environ["FERROLM_CUDA_KERNELS"]
         results.setdefault("logits", {})[name] = r
         save()
         log(f"logits {name}: {json.dumps(r)}")
 
 
-def ferrolm_bench(name, prompt, decode, runs):
+def ferrolm_bench(name, prompt, decode, runs, variant="graph"):
+    """variant: graph (the default decode: captured static step), eager-static
+    (FERROLM_CUDA_GRAPH=0: the same step, not captured) or regular (--no-static)."""
     cmd = [f"{BIN}/ferrolm", "bench", "--model", f"{MODELS}/{name}", "--device", "cuda",
            "--prompt-tokens", str(prompt), "--decode-tokens", str(decode), "--runs", str(runs), "--json"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    open(f"{OUT}/bench-{name}.log", "w").write(p.stdout + p.stderr)
+    env = dict(os.environ)
+    if variant == "eager-static":
+        env["FERROLM_CUDA_GRAPH"] = "0"
+    if variant == "regular":
+        cmd.append("--no-static")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    if p.stderr.strip():
+        open(f"{OUT}/bench-{name}-{variant}.log", "w").write(p.stderr)
     if p.returncode != 0:
         log(f"ferrolm bench {name} failed: {p.stderr[-2000:]}")
         return None
@@ -120,24 +130,39 @@ def benches():
         if not os.path.isdir(f"{MODELS}/{name}"):
             continue
         f = ferrolm_bench(name, 2048, 128, 3)
+        eager = ferrolm_bench(name, 2048, 128, 1, "eager-static")
+        regular = ferrolm_bench(name, 2048, 128, 1, "regular")
         h = hf_bench(name, 2048, 128, 2)
-        row = {"ferrolm": f, "transformers": h}
+        row = {"ferrolm": f, "eager_static": eager, "regular": regular, "transformers": h}
+        if f and eager:
+            # The captured step must replay exactly what the eager step computes.
+            row["graph_equals_eager"] = f["decoded_ids"] == eager["decoded_ids"]
+        if f and regular:
+            n = next((i for i, (a, b) in enumerate(zip(f["decoded_ids"], regular["decoded_ids"])) if a != b), len(f["decoded_ids"]))
+            row["graph_equals_regular_tokens"] = n
         if f and bw:
             row["roofline_tps"] = bw / f["weight_bytes"]
         results.setdefault("bench", {})[name] = row
         save()
-        log(f"bench {name}: {json.dumps(row)}")
+        log(f"bench {name}: done")
 
 
 def table():
-    lines = ["| shape | weight GB | roofline tok/s | ferrolm decode | % roofline | transformers decode | ferrolm ÷ tf decode | ferrolm prefill (2048) | transformers prefill |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | weight GB | roofline tok/s | ferrolm decode | % roofline | transformers decode | ferrolm ÷ tf decode | ferrolm prefill (2048) | transformers prefill | eager-static decode | regular decode | graph = eager |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in results.get("bench", {}).items():
         f, h = row["ferrolm"] or {}, row["transformers"]
         roof = row.get("roofline_tps", float("nan"))
         fd = f.get("decode_tps", float("nan"))
         lines.append(f"| {name} | {f.get('weight_bytes', 0) / 1e9:.2f} | {roof:.0f} | {fd:.1f} | {100 * fd / roof:.0f}% | "
-                     f"{h['decode_tps']:.1f} | {fd / h['decode_tps']:.2f} | {f.get('prefill_tps', float('nan')):.0f} | {h['prefill_tps']:.0f} |")
+                     f"{h['decode_tps']:.1f} | {fd / h['decode_tps']:.2f} | {f.get('prefill_tps', float('nan')):.0f} | {h['prefill_tps']:.0f} | "
+                     f"{(row.get('eager_static') or {}).get('decode_tps', float('nan')):.1f} | {(row.get('regular') or {}).get('decode_tps', float('nan')):.1f} | "
+                     f"{row.get('graph_equals_eager')} |")
+    for name, r in results.get("logits", {}).items():
+        lines.append(f"logits {name}: " + ", ".join(f"{k} rel {v['rel']:.4f} top1 {v['top1_agree']:.2f}" if isinstance(v, dict) else f"{k} {v}" for k, v in r.items()))
+    for name, row in results.get("bench", {}).items():
+        lines.append(f"{name}: path {(row['ferrolm'] or {}).get('decode_path')}, graph = eager {row.get('graph_equals_eager')}, "
+                     f"graph = regular for the first {row.get('graph_equals_regular_tokens')} tokens")
     text = "\n".join(lines)
     open(f"{OUT}/table.md", "w").write(text + "\n")
     log(text)

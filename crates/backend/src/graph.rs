@@ -49,13 +49,16 @@ impl StepGraph {
     }
 }
 
+/// Read-back slots of a [`TokenReader`]: step n's token can be read while step n+1 runs.
+pub const SLOTS: usize = 2;
+
 /// Reads one-element u32 tensors (sampled token ids) back to the host: `queue` starts the copy
 /// behind the work already queued, `wait` returns it. Two slots, so that step n's token can be
 /// read while step n+1 runs.
 pub struct TokenReader {
     #[cfg(feature = "cuda")]
     cuda: Option<crate::cuda::graph::TokenReader>,
-    ready: [u32; 2],
+    ready: [u32; SLOTS],
 }
 
 impl TokenReader {
@@ -66,7 +69,7 @@ impl TokenReader {
                 Device::Cuda(d) => Some(crate::cuda::graph::TokenReader::new(d)?),
                 _ => None,
             },
-            ready: [0; 2],
+            ready: [0; SLOTS],
         })
         .inspect(|_: &Self| {
             let _ = device;

@@ -2,7 +2,8 @@
 //! median of R runs after a warm-up. The prompt is real text, tokenized and cut to length.
 
 use crate::{CliError, CliResult};
-use ferrolm_engine::bundle;
+use ferrolm_engine::{bundle, DecodePath, GraphDecoder};
+use ferrolm_kv::SeqCache;
 use ferrolm_models::{CausalLm, SeqInput};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -28,6 +29,10 @@ pub struct Args {
     /// peer was given, so both run on identical input).
     #[arg(long)]
     prompt_ids_file: Option<PathBuf>,
+    /// Decode through the regular forward even where the captured static step is available
+    /// (GPUs); FERROLM_CUDA_GRAPH=0 keeps the static step but runs it eagerly.
+    #[arg(long)]
+    no_static: bool,
 }
 
 const TEXT: &str = "The history of the printing press is the history of how ideas learned to travel. \
@@ -46,13 +51,24 @@ pub fn run(args: Args) -> CliResult<()> {
     };
     let model = b.model.as_ref();
     let (mut prefill, mut decode, mut ttft) = (Vec::new(), Vec::new(), Vec::new());
+    // The captured step pays off where launches cost (GPUs); on CPU the regular forward is faster.
+    let use_static = !args.no_static && !model.device().is_cpu();
+    let mut decoder = match use_static {
+        true => GraphDecoder::new(model).map_err(CliError::runtime)?,
+        false => None,
+    };
+    // One cache for all runs, as a server slot is reused: a captured step stays valid.
+    let mut cache = model.make_cache();
+    let mut last = RunFigures::default();
     for run in 0..=args.runs {
-        let r = one_run(model, &prompt, args.decode_tokens).map_err(CliError::runtime)?;
+        cache.trim(cache.offset());
+        let r = one_run(model, &mut cache, decoder.as_mut(), &prompt, args.decode_tokens).map_err(CliError::runtime)?;
         if run > 0 {
             prefill.push(r.prefill_tps);
             decode.push(r.decode_tps);
             ttft.push(r.ttft_ms);
         }
+        last = r;
     }
     let (p, d, t) = (median(&mut prefill), median(&mut decode), median(&mut ttft));
     let rss = peak_rss_mb();
@@ -63,6 +79,7 @@ pub fn run(args: Args) -> CliResult<()> {
             "prefill_tps": p, "decode_tps": d, "ttft_ms": t, "peak_rss_mb": rss,
             "prefill_runs": prefill, "decode_runs": decode, "weight_bytes": model.info().weight_bytes,
             "device": format!("{:?}", model.device()),
+            "decode_path": last.path, "decoded_ids": last.ids,
         });
         println!("{obj}");
     } else {
@@ -108,29 +125,62 @@ fn bench_prompt(tok: &ferrolm_text::Tokenizer, n: usize) -> CliResult<Vec<u32>> 
     Ok(ids)
 }
 
+#[derive(Default)]
 struct RunFigures {
     prefill_tps: f64,
     decode_tps: f64,
     ttft_ms: f64,
+    /// "graph", "eager-static" or "regular".
+    path: &'static str,
+    /// The greedy tokens decoded (graph and eager runs must agree bit for bit).
+    ids: Vec<u32>,
 }
 
 /// One prefill of the prompt (chunked as the engine does, last token alone) and `n` greedy decode
 /// steps. Time to first token is the prefill plus the first token's sampling.
-fn one_run(model: &dyn CausalLm, prompt: &[u32], n: usize) -> candle_core::Result<RunFigures> {
-    let mut cache = model.make_cache();
+fn one_run(
+    model: &dyn CausalLm,
+    cache: &mut SeqCache,
+    decoder: Option<&mut GraphDecoder>,
+    prompt: &[u32],
+    n: usize,
+) -> candle_core::Result<RunFigures> {
     let start = Instant::now();
     let (body, tail) = prompt.split_at(prompt.len() - 1);
     for chunk in body.chunks(2048) {
-        model.forward_hidden(&mut [SeqInput { tokens: chunk, cache: &mut cache }])?;
+        model.forward_hidden(&mut [SeqInput { tokens: chunk, cache }])?;
     }
-    let mut token = next_token(model, &mut cache, tail)?;
+    let first = next_token(model, cache, tail)?;
     let ttft = start.elapsed().as_secs_f64();
     let start = Instant::now();
-    for _ in 0..n {
-        token = next_token(model, &mut cache, &[token])?;
+    let mut ids = Vec::with_capacity(n);
+    let mut path = "regular";
+    let ran = match decoder {
+        Some(d) => d.run(model, cache, first, n, &mut |t| {
+            ids.push(t);
+            true
+        })?,
+        None => None,
+    };
+    match ran {
+        Some(DecodePath::Graph) => path = "graph",
+        Some(DecodePath::Eager) => path = "eager-static",
+        None => {
+            let mut token = first;
+            for _ in 0..n {
+                token = next_token(model, cache, &[token])?;
+                ids.push(token);
+            }
+        }
     }
     let decode = start.elapsed().as_secs_f64();
-    Ok(RunFigures { prefill_tps: prompt.len() as f64 / ttft, decode_tps: n as f64 / decode, ttft_ms: ttft * 1e3 })
+    Ok(RunFigures {
+        prefill_tps: prompt.len() as f64 / ttft,
+        decode_tps: n as f64 / decode,
+        ttft_ms: ttft * 1e3,
+        path,
+        ids,
+    })
 }
 
 fn next_token(

@@ -4,11 +4,13 @@
 
 pub mod bundle;
 mod generate;
+pub mod graph_decode;
 mod prefill;
 mod sampler;
 pub mod service;
 
 pub use bundle::{Bundle, BundleError};
+pub use graph_decode::{DecodePath, GraphDecoder};
 pub use generate::{generate, Flow, GenerateInput, SnapshotHook};
 pub use prefill::{plan_prefill, PrefillChunk};
 pub use sampler::{Sampled, TokenSampler};

@@ -46,4 +46,18 @@ pub trait KvCache: Send {
     fn state(&self) -> Result<Option<KvView>>;
     /// Restores a state produced by `state` of a cache with the same signature.
     fn load_state(&mut self, state: &KvView, offset: usize) -> Result<()>;
+
+    /// Whole buffers `[kv_heads, capacity, head_dim]` with room for at least `extra` tokens
+    /// after `offset()`, for steps that write one token in place at a position held on the
+    /// device (a captured decode step). `None`: this cache keeps no such buffers.
+    fn static_buffers(&mut self, extra: usize) -> Result<Option<(Tensor, Tensor)>> {
+        let _ = extra;
+        Ok(None)
+    }
+
+    /// Counts `n` tokens that static steps wrote in place after `offset()`.
+    fn commit_static(&mut self, n: usize) -> Result<()> {
+        let _ = n;
+        candle_core::bail!("{} keeps no static buffers", self.signature())
+    }
 }

@@ -108,11 +108,41 @@ impl KvCache for PlainCache {
         self.offset = offset;
         Ok(())
     }
+
+    fn static_buffers(&mut self, extra: usize) -> Result<Option<(Tensor, Tensor)>> {
+        self.reserve(extra.max(1))?;
+        Ok(self.k.clone().zip(self.v.clone()))
+    }
+
+    fn commit_static(&mut self, n: usize) -> Result<()> {
+        if self.offset + n > self.capacity() {
+            candle_core::bail!("kv:plain: {n} static tokens overflow the buffers ({} of {})", self.offset, self.capacity())
+        }
+        self.offset += n;
+        Ok(())
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Static buffers keep their identity while they have room; committed tokens count.
+    #[test]
+    fn static_buffers_are_stable_and_commits_advance() -> Result<()> {
+        let dev = Device::Cpu;
+        let mut c = PlainCache::new(2, 4, DType::F32, &dev);
+        let a = Tensor::randn(0f32, 1.0, (2, 10, 4), &dev)?;
+        c.update_and_fetch(&a, &a)?;
+        let (k1, _) = c.static_buffers(100)?.unwrap();
+        assert!(k1.dims()[1] >= 110);
+        c.commit_static(3)?;
+        assert_eq!(c.offset(), 13);
+        let (k2, _) = c.static_buffers(50)?.unwrap();
+        assert_eq!(k1.id(), k2.id());
+        assert!(c.commit_static(1000).is_err());
+        Ok(())
+    }
 
     #[test]
     fn appends_grow_across_steps_and_trim_rewinds() -> Result<()> {

@@ -19,6 +19,24 @@ impl SeqCache {
     }
 
     /// Tokens in the cache (all layers agree by construction).
+    /// Every layer's whole buffers with room for `extra` more tokens (see
+    /// [`KvCache::static_buffers`]); `None` when some layer keeps no such buffers.
+    pub fn static_buffers(&mut self, extra: usize) -> candle_core::Result<Option<Vec<(candle_core::Tensor, candle_core::Tensor)>>> {
+        let mut out = Vec::with_capacity(self.layers.len());
+        for l in &mut self.layers {
+            match l.static_buffers(extra)? {
+                Some(kv) => out.push(kv),
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(out))
+    }
+
+    /// Counts `n` tokens written in place by static steps, in every layer.
+    pub fn commit_static(&mut self, n: usize) -> candle_core::Result<()> {
+        self.layers.iter_mut().try_for_each(|l| l.commit_static(n))
+    }
+
     pub fn offset(&self) -> usize {
         self.layers.first().map_or(0, |l| l.offset())
     }

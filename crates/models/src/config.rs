@@ -88,10 +88,34 @@ impl HfConfig {
         self.get(key).and_then(Value::as_bool).unwrap_or(default)
     }
 
-    /// `rope_scaling` (or `rope_parameters` in newer transformers) as `(type, factor)`;
-    /// `None` when absent or of the plain `default` type.
-    pub fn rope_scaling(&self) -> Result<Option<(String, f64)>> {
-        let Some(s) = self.get("rope_scaling").or_else(|| self.get("rope_parameters")) else {
+    /// The RoPE section for one kind of attention layer. transformers ≥ 5 writes
+    /// `rope_parameters`, flat (`{rope_theta, rope_type, factor…}`) or per layer type
+    /// (`{"full_attention": {…}, "sliding_attention": {…}}`, Gemma 3); older configs have
+    /// `rope_scaling` (type and factor only) beside a top-level `rope_theta`.
+    fn rope_section(&self, layer_kind: &str) -> Option<&Value> {
+        let s = self.get("rope_scaling").or_else(|| self.get("rope_parameters"))?;
+        match s.get(layer_kind) {
+            Some(per_kind) if per_kind.is_object() => Some(per_kind),
+            _ if s.get("full_attention").is_some() || s.get("sliding_attention").is_some() => None,
+            _ => Some(s),
+        }
+    }
+
+    /// RoPE base of `layer_kind` (`full_attention` or `sliding_attention`): the section's
+    /// `rope_theta`, else the top-level `legacy_key` (`rope_theta`, Gemma's
+    /// `rope_local_base_freq`), else `default`.
+    pub fn rope_theta(&self, layer_kind: &str, legacy_key: &str, default: f64) -> Result<f64> {
+        let from_section = self.rope_section(layer_kind).and_then(|s| s.get("rope_theta")).and_then(Value::as_f64);
+        match from_section {
+            Some(theta) => Ok(theta),
+            None => self.f64_or(legacy_key, default),
+        }
+    }
+
+    /// RoPE scaling of `layer_kind` as `(type, factor)`; `None` when absent or of the plain
+    /// `default` type.
+    pub fn rope_scaling(&self, layer_kind: &str) -> Result<Option<(String, f64)>> {
+        let Some(s) = self.rope_section(layer_kind) else {
             return Ok(None);
         };
         let kind = s
@@ -132,6 +156,10 @@ impl HfConfig {
     }
 }
 
+/// Layer kinds as transformers' `layer_types` and `rope_parameters` name them.
+pub const FULL: &str = "full_attention";
+pub const SLIDING: &str = "sliding_attention";
+
 /// `config.json` of the llama family (`llama`, `mistral`, `qwen2`), with transformers'
 /// defaults for absent keys. Checkpoints keep Q/K rows in half-split order (only llama.cpp's
 /// GGUF conversion permutes them).
@@ -139,7 +167,7 @@ pub fn llama_family(c: &HfConfig) -> Result<LlamaConfig> {
     let arch = c.model_type()?;
     let heads = c.usize("num_attention_heads")?;
     let hidden = c.usize("hidden_size")?;
-    if let Some((kind, _)) = c.rope_scaling()? {
+    if let Some((kind, _)) = c.rope_scaling(FULL)? {
         return Err(c.error(format!("unsupported rope_scaling type {kind:?} for {arch}")));
     }
     let act = c.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
@@ -178,7 +206,7 @@ pub fn llama_family(c: &HfConfig) -> Result<LlamaConfig> {
         num_key_value_heads: c.usize_or("num_key_value_heads", heads)?,
         head_dim: c.usize_or("head_dim", hidden / heads)?,
         rms_norm_eps: c.f64_or("rms_norm_eps", 1e-6)?,
-        rope_theta: c.f64_or("rope_theta", 10_000.0)?,
+        rope_theta: c.rope_theta(FULL, "rope_theta", 10_000.0)?,
         max_position_embeddings: c.usize_or("max_position_embeddings", 4096)?,
         rope_style: RopeStyle::HalfSplit,
         layer_windows,
@@ -258,8 +286,33 @@ mod tests {
         .unwrap();
         assert_eq!(c.usize("hidden_size").unwrap(), 640);
         assert_eq!(c.opt_usize("sliding_window").unwrap(), None);
-        assert_eq!(c.rope_scaling().unwrap(), Some(("linear".into(), 8.0)));
+        assert_eq!(c.rope_scaling(FULL).unwrap(), Some(("linear".into(), 8.0)));
         assert!(c.usize("num_hidden_layers").unwrap_err().to_string().contains("num_hidden_layers"));
+    }
+
+    /// transformers 5 writes `rope_parameters`: flat for llama, per layer type for Gemma 3.
+    #[test]
+    fn rope_parameters_of_transformers_5_configs() {
+        let c = HfConfig::from_value(
+            "config.json".into(),
+            json!({"model_type": "llama", "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}),
+        )
+        .unwrap();
+        assert_eq!(c.rope_theta(FULL, "rope_theta", 10_000.0).unwrap(), 500000.0);
+        assert_eq!(c.rope_scaling(FULL).unwrap(), None);
+        let c = HfConfig::from_value(
+            "config.json".into(),
+            json!({"model_type": "gemma3_text", "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
+        )
+        .unwrap();
+        assert_eq!(c.rope_theta(FULL, "rope_theta", 1.0).unwrap(), 1e6);
+        assert_eq!(c.rope_theta(SLIDING, "rope_local_base_freq", 1.0).unwrap(), 1e4);
+        assert_eq!(c.rope_scaling(FULL).unwrap(), Some(("linear".into(), 8.0)));
+        assert_eq!(c.rope_scaling(SLIDING).unwrap(), None);
+        let legacy = HfConfig::from_value("config.json".into(), json!({"model_type": "llama", "rope_theta": 5.0})).unwrap();
+        assert_eq!(legacy.rope_theta(FULL, "rope_theta", 10_000.0).unwrap(), 5.0);
     }
 
     #[test]

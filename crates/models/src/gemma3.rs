@@ -116,7 +116,9 @@ impl Gemma3Config {
             }
             None => pattern_layers(layers, c.usize_or("sliding_window_pattern", 6)?),
         };
-        let rope_scaling_factor = match c.rope_scaling()? {
+        use crate::config::{FULL, SLIDING};
+        // Scaling applies to the global (full-attention) layers only, as in transformers.
+        let rope_scaling_factor = match c.rope_scaling(FULL)? {
             None => None,
             Some((kind, factor)) if kind == "linear" => Some(factor),
             Some((kind, _)) => {
@@ -140,8 +142,8 @@ impl Gemma3Config {
             num_key_value_heads: c.usize_or("num_key_value_heads", 4)?,
             head_dim: c.usize_or("head_dim", 256)?,
             rms_norm_eps: c.f64_or("rms_norm_eps", 1e-6)?,
-            rope_theta: c.f64_or("rope_theta", 1e6)?,
-            rope_local_base_freq: c.f64_or("rope_local_base_freq", 10_000.0)?,
+            rope_theta: c.rope_theta(FULL, "rope_theta", 1e6)?,
+            rope_local_base_freq: c.rope_theta(SLIDING, "rope_local_base_freq", 10_000.0)?,
             rope_scaling_factor,
             query_pre_attn_scalar: c.f64_or("query_pre_attn_scalar", 256.0)?,
             sliding_window: c.usize_or("sliding_window", 4096)?,

@@ -243,4 +243,25 @@ impl CausalLm for Llama {
     fn project_logits(&self, hidden: &Tensor) -> Result<Tensor> {
         self.lm_head.forward(hidden)?.to_dtype(DType::F32)
     }
+
+    /// Windowed layers (Mistral) keep rotating caches, which have no static buffers.
+    fn has_static_decode(&self) -> bool {
+        self.cfg.layer_windows.iter().all(Option::is_none)
+    }
+
+    fn decode_static(&self, token: &Tensor, pos: &Tensor, kv: &[(Tensor, Tensor)]) -> Result<Option<Tensor>> {
+        if kv.len() != self.layers.len() || !self.has_static_decode() {
+            return Ok(None);
+        }
+        let mut x = self.embed.forward_tensor(token, &self.device)?;
+        let mut normed = self.layers[0].attn_norm.forward(&x)?;
+        for (i, (layer, (ck, cv))) in self.layers.iter().zip(kv).enumerate() {
+            let h = layer.attn.forward_static(&normed, pos, ck, cv)?;
+            let (sum, n) = layer.ffn_norm.forward_residual(&x, &h)?;
+            let h = layer.mlp.forward(&n)?;
+            let next_norm = self.layers.get(i + 1).map_or(&self.norm, |l| &l.attn_norm);
+            (x, normed) = next_norm.forward_residual(&sum, &h)?;
+        }
+        self.project_logits(&normed).map(Some)
+    }
 }

@@ -35,4 +35,17 @@ pub trait CausalLm: Send + Sync {
     fn forward_hidden(&self, batch: &mut [SeqInput<'_>]) -> candle_core::Result<Tensor>;
     /// Final norm already applied: hidden `[batch, hidden]` → logits `[batch, vocab]` (f32).
     fn project_logits(&self, hidden: &Tensor) -> candle_core::Result<Tensor>;
+    /// One decode step whose inputs stay on the device, so that it can be captured once and
+    /// replayed (CUDA graphs): `token` and `pos` are one-element u32 tensors; each layer's key
+    /// and value are written in place at `pos` of its whole buffers `kv[layer]`
+    /// (`SeqCache::static_buffers`). Returns logits `[1, vocab]` (f32). `Ok(None)`: this model
+    /// has no such step (the caller decodes through `forward_hidden`).
+    /// Whether [`CausalLm::decode_static`] is implemented for this model's configuration.
+    fn has_static_decode(&self) -> bool {
+        false
+    }
+    fn decode_static(&self, token: &Tensor, pos: &Tensor, kv: &[(Tensor, Tensor)]) -> candle_core::Result<Option<Tensor>> {
+        let _ = (token, pos, kv);
+        Ok(None)
+    }
 }

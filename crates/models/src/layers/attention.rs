@@ -1,6 +1,7 @@
 use super::Span;
 use candle_core::{Result, Tensor};
 use ferrolm_backend::attention::Positions;
+use ferrolm_backend::attention_device::{append_and_attend, StaticStep};
 use ferrolm_backend::norm::RmsNorm;
 use ferrolm_backend::{attend, AttentionParams, Linear, Rope};
 use ferrolm_kv::KvCache;
@@ -68,6 +69,21 @@ impl SelfAttention {
             Tensor::cat(&outs, 0)?
         };
         self.o.forward(&attn)
+    }
+
+    /// One token `[1, hidden]` at the device position `pos`, its key and value written in place
+    /// into the whole buffers `cache_k`, `cache_v` (see `CausalLm::decode_static`).
+    pub fn forward_static(&self, x: &Tensor, pos: &Tensor, cache_k: &Tensor, cache_v: &Tensor) -> Result<Tensor> {
+        let c = &self.cfg;
+        let q = self.q.forward(x)?.reshape((1, c.heads, c.head_dim))?;
+        let k = self.k.forward(x)?.reshape((1, c.kv_heads, c.head_dim))?;
+        let v = self.v.forward(x)?.reshape((1, c.kv_heads, c.head_dim))?;
+        let (q, k) = match (&self.q_norm, &self.k_norm) {
+            (Some(qn), Some(kn)) => (qn.forward(&q)?, kn.forward(&k)?),
+            _ => (q, k),
+        };
+        let step = StaticStep { q: &q, k: &k, v: &v, rope: &self.rope, cache_k, cache_v, pos, params: &c.params };
+        self.o.forward(&append_and_attend(&step)?)
     }
 
     pub fn weight_bytes(&self) -> usize {

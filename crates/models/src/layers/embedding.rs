@@ -28,7 +28,16 @@ impl Embedding {
         })
     }
 
-    /// ids → `[tokens, hidden]` f32.
+    /// ids already on `device` (a u32 tensor `[tokens]`) → `[tokens, hidden]`; on GPUs the
+    /// lookup stays on the device (no host copy: capturable).
+    pub fn forward_tensor(&self, ids: &Tensor, device: &Device) -> Result<Tensor> {
+        match &self.device_table {
+            Some(q) => self.finish(q.embedding(ids)?, device),
+            None => self.forward(&ids.to_vec1::<u32>()?, device),
+        }
+    }
+
+    /// ids → `[tokens, hidden]` in the device's activation dtype (f32 on CPU, bf16 on GPUs).
     pub fn forward(&self, ids: &[u32], device: &Device) -> Result<Tensor> {
         let [rows, hidden] = self.table.dims[..] else {
             candle_core::bail!("embedding table must be 2-D")
@@ -54,6 +63,12 @@ impl Embedding {
                 Tensor::from_vec(out, (ids.len(), hidden), device)?
             }
         };
+        self.finish(x, device)
+    }
+
+    fn finish(&self, x: Tensor, device: &Device) -> Result<Tensor> {
+        // candle's quantized lookup (GPUs) gives f32 whatever the table's format.
+        let x = x.to_dtype(ferrolm_backend::activation_dtype(device))?;
         match self.scale {
             Some(s) => x * s,
             None => Ok(x),

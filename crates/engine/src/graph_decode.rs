@@ -1,0 +1,128 @@
+//! Greedy decode as one captured step (the analogue of mlx-bun's compiled decode): the model's
+//! static decode step (`CausalLm::decode_static`), the argmax into the token buffer and the
+//! position increment are recorded once as a CUDA graph and replayed every step. Nothing in the
+//! step synchronizes with the host; the host reads each token id one step behind (pipelined),
+//! through pinned memory.
+//!
+//! Capture is transactional: the first step runs eagerly (it is also the warm-up the capture
+//! needs), and when capturing fails the steps keep running eagerly through the same code, with
+//! the same results. On devices without graphs (CPU) the eager path is all there is, which is
+//! what the tests exercise.
+
+use candle_core::{DType, Device, Result, Tensor, TensorId};
+use ferrolm_backend::graph::{self, StepGraph, TokenReader};
+use ferrolm_backend::ops::{argmax_into, increment};
+use ferrolm_kv::SeqCache;
+use ferrolm_models::CausalLm;
+
+/// Device-resident state of a greedy decode, reusable across generations: the graph stays
+/// valid as long as the cache keeps the same buffers.
+pub struct GraphDecoder {
+    device: Device,
+    token: Tensor,
+    pos: Tensor,
+    graph: Option<(StepGraph, Vec<TensorId>)>,
+    reader: TokenReader,
+    capture_failed: bool,
+}
+
+/// How the steps of a decode ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodePath {
+    Graph,
+    Eager,
+}
+
+impl GraphDecoder {
+    /// `None` when the model has no static step (the caller decodes as usual).
+    pub fn new(model: &dyn CausalLm) -> Result<Option<Self>> {
+        if !model.has_static_decode() {
+            return Ok(None);
+        }
+        let device = model.device().clone();
+        let token = Tensor::zeros(1, DType::U32, &device)?;
+        let pos = Tensor::zeros(1, DType::U32, &device)?;
+        Ok(Some(Self { reader: TokenReader::new(&device)?, device, token, pos, graph: None, capture_failed: false }))
+    }
+
+    /// Decodes up to `n` tokens greedily after `first` (the token the prefill's logits gave,
+    /// not yet in the cache). `on_token` gets each new token in order and returns false to
+    /// stop. The cache ends holding exactly the tokens forwarded: `first` and every token
+    /// before the last one delivered. Returns `None` when the model or cache has no static
+    /// step (nothing was run).
+    pub fn run(
+        &mut self,
+        model: &dyn CausalLm,
+        cache: &mut SeqCache,
+        first: u32,
+        n: usize,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Option<DecodePath>> {
+        if !model.has_static_decode() {
+            return Ok(None);
+        }
+        if n == 0 {
+            return Ok(Some(DecodePath::Eager));
+        }
+        // One spare slot: a step past the last delivered token may already be queued.
+        let Some(kv) = cache.static_buffers(n + 1)? else { return Ok(None) };
+        self.token.slice_set(&Tensor::new(&[first], &self.device)?, 0, 0)?;
+        self.pos.slice_set(&Tensor::new(&[cache.offset() as u32], &self.device)?, 0, 0)?;
+        let (token, pos) = (self.token.clone(), self.pos.clone());
+        let mut step = || -> Result<()> {
+            let logits = model
+                .decode_static(&token, &pos, &kv)?
+                .ok_or_else(|| candle_core::Error::Msg("the model has no static decode step".into()))?;
+            argmax_into(&logits, &token)?;
+            increment(&pos)
+        };
+        // Step 1, eagerly: the warm-up a capture needs, and a real step.
+        graph::warm_up(&self.device, &mut step)?;
+        let path = self.prepare_graph(&kv, &mut step);
+        self.reader.queue(&token, 0)?;
+        let mut launched = 1;
+        let mut delivered = 0;
+        while delivered < n {
+            // Queue the next step before waiting for this one's token.
+            if launched < n {
+                match &self.graph {
+                    Some((g, _)) if path == DecodePath::Graph => g.replay()?,
+                    _ => step()?,
+                }
+                self.reader.queue(&token, launched % graph::SLOTS)?;
+                launched += 1;
+            }
+            let t = self.reader.wait(delivered % graph::SLOTS)?;
+            cache.commit_static(1)?;
+            delivered += 1;
+            if !on_token(t) {
+                break;
+            }
+        }
+        Ok(Some(path))
+    }
+
+    /// A graph of `step` over these buffers: the one captured before when the buffers are the
+    /// same, else a new capture; eager when capturing is unsupported or fails.
+    fn prepare_graph(&mut self, kv: &[(Tensor, Tensor)], step: &mut dyn FnMut() -> Result<()>) -> DecodePath {
+        if !graph::supported(&self.device) || self.capture_failed || std::env::var("FERROLM_CUDA_GRAPH").is_ok_and(|v| v == "0") {
+            return DecodePath::Eager;
+        }
+        let ids: Vec<TensorId> = kv.iter().flat_map(|(k, v)| [k.id(), v.id()]).collect();
+        if matches!(&self.graph, Some((_, old)) if *old == ids) {
+            return DecodePath::Graph;
+        }
+        match graph::capture(&self.device, step) {
+            Ok(g) => {
+                self.graph = Some((g, ids));
+                DecodePath::Graph
+            }
+            Err(e) => {
+                tracing::warn!("decode step not captured, running it eagerly: {e}");
+                self.capture_failed = true;
+                self.graph = None;
+                DecodePath::Eager
+            }
+        }
+    }
+}

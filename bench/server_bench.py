@@ -46,8 +46,10 @@ ORACLE = os.environ.get("ORACLE_PY") or str(Path.home() / ".cache/ferrolm/oracle
 BLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 
 # Counting never reaches an end of text within a few hundred tokens: every system generates
-# exactly the requested number of tokens, greedily.
-SHORT = "Count from one: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,"
+# exactly the requested number of tokens, greedily. One number per line, so that no generated
+# token is a lone space: mlx-lm's streaming detokenizer holds a lone space back until the next
+# token, which would merge chunks (and delay its first one by a token) with "1, 2, 3," counting.
+SHORT = "Count from one, one number per line:\n" + "".join(f"{i}\n" for i in range(1, 21))
 FILLER = ("The history of the printing press is the history of how ideas learned to travel. Before "
           "movable type, every book was copied by hand, and a single manuscript could take a scribe "
           "many months to finish. ")
@@ -100,12 +102,19 @@ def start(kind):
     return p, url, time.perf_counter() - t0
 
 
-def stream_completion(url, prompt, n, model):
-    """(ttft s, decode tok/s, tokens) of one streamed greedy completion."""
-    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0.0, "stream": True}
+# llama-cpp-python's server applies repeat_penalty 1.1 unless told otherwise; greedy everywhere.
+EXTRA = {"llamacpp": {"repeat_penalty": 1.0}}
+
+
+def stream_completion(client, prompt, n, model, extra=None):
+    """(ttft s, decode tok/s, tokens) of one streamed greedy completion. `client` is kept open
+    across requests (connection reused), so neither building an httpx client (~10 ms, mostly
+    its SSL context) nor a TCP connect is timed."""
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0.0, "stream": True,
+            **(extra or {})}
     t0 = time.perf_counter()
     stamps = []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+    with client.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -135,6 +144,20 @@ class Direct:
 
     def close(self):
         self.p.terminate()
+
+
+def steal_s():
+    """CPU time the hypervisor gave to other guests (all CPUs, s): interference we cannot see."""
+    try:
+        with open("/proc/stat") as f:
+            return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def with_steal(fn, *a):
+    s0 = steal_s()
+    return (*fn(*a), steal_s() - s0)
 
 
 def med(xs):
@@ -181,54 +204,91 @@ def main():
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--long-words", type=int, default=330, help="words in the long prompt (~450 tokens)")
     ap.add_argument("--peers", default="mlx,llamacpp")
-    ap.add_argument("--health-words", type=int, default=3000, help="about 4,000 tokens")
+    ap.add_argument("--health-words", type=int, default=3450, help="about 4,000 tokens")
     ap.add_argument("--out", default=str(ROOT / "bench/results"))
     args = ap.parse_args()
     peers = [p for p in args.peers.split(",") if p]
     prompts = {"short": SHORT, "long": long_prompt(args.long_words)}
     servers = {}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    steal0, wall0 = steal_s(), time.time()
+    source = git_commit()  # before the run: the binaries were built from this tree
     direct = Direct()
     uid = iter(range(1, 1 << 30))
     unique = lambda prompt: f"Request {next(uid)}.\n{prompt}"
     try:
         for kind in ["ferrolm", *peers]:
             p, url, ready = start(kind)
-            servers[kind] = {"proc": p, "url": url, "ready_s": ready}
+            servers[kind] = {"proc": p, "url": url, "ready_s": ready,
+                             "client": httpx.Client(base_url=url, timeout=600)}
             print(f"{kind}: {url} ready in {ready:.2f} s", flush=True)
         model = {"ferrolm": "m", "mlx": str(HF), "llamacpp": str(GGUF)}
         results = {}
         for name, prompt in prompts.items():
             runs = {k: [] for k in ["direct", *servers]}
             for k in servers:  # warm-up
-                stream_completion(servers[k]["url"], unique(prompt), 8, model[k])
+                stream_completion(servers[k]["client"], unique(prompt), 8, model[k], EXTRA.get(k))
             direct.run(unique(prompt), 8)
             for i in range(args.runs):
-                runs["direct"].append(direct.run(unique(prompt), args.decode))
+                runs["direct"].append(with_steal(direct.run, unique(prompt), args.decode))
                 for k in servers:
-                    runs[k].append(stream_completion(servers[k]["url"], unique(prompt), args.decode, model[k]))
+                    runs[k].append(with_steal(stream_completion, servers[k]["client"], unique(prompt),
+                                              args.decode, model[k], EXTRA.get(k)))
                 print(f"  {name} run {i + 1}: " + ", ".join(
-                    f"{k} {r[-1][0] * 1e3:.0f} ms/{r[-1][1]:.1f} tok/s" for k, r in runs.items()), flush=True)
+                    f"{k} {r[-1][0] * 1e3:.0f} ms/{r[-1][1]:.1f} tok/s" for k, r in runs.items()) +
+                    f" (steal {sum(r[-1][3] for r in runs.values()):.2f} s)", flush=True)
+            for k, v in runs.items():
+                if any(r[2] != args.decode for r in v):
+                    print(f"  warning: {k} streamed {[r[2] for r in v]} text chunks, not {args.decode} "
+                          "(decode tok/s counts chunks as tokens)", flush=True)
             results[name] = {k: {"ttft_ms": med([r[0] for r in v]) * 1e3, "decode_tps": med([r[1] for r in v]),
                                  "tokens": med([r[2] for r in v]), "runs": v} for k, v in runs.items()}
         health = health_during_prefill(servers["ferrolm"]["url"], args.health_words)
     finally:
         direct.close()
         for s in servers.values():
+            s["client"].close()
             s["proc"].terminate()
-    write(Path(args.out), args, results, health, {k: v["ready_s"] for k, v in servers.items()})
+    steal = {"steal_s": steal_s() - steal0, "wall_s": time.time() - wall0}
+    write(Path(args.out), args, results, health, {k: v["ready_s"] for k, v in servers.items()}, steal, source)
 
 
-def write(out, args, results, health, ready):
+def cpu_model():
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit():
+    try:
+        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.split("\n")
+        dirty = [line[3:] for line in dirty if line.strip()]
+        return rev, dirty
+    except OSError:
+        return "unknown", []
+
+
+def write(out, args, results, health, ready, steal, source):
     out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "loadavg_at_end": load, "runs": args.runs, "decode_tokens": args.decode}
+    rev, dirty = source
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": rev, "modified_files": dirty,
+            "machine": cpu_model(), "cpus": os.cpu_count(), "loadavg_at_end": load, "runs": args.runs,
+            "decode_tokens": args.decode, **steal}
     (out / "server.json").write_text(json.dumps({"meta": meta, "results": results, "health": health,
                                                  "ready_s": ready}, indent=1) + "\n")
     lines = ["# ferrolm serve: server overhead and peers", "",
-             f"`bench/server_bench.py`, {meta['date']}, {meta['cpus']} CPUs, load average at the end "
-             f"{load[0]:.1f}. SmolLM2-135M-Instruct; ferrolm and llama.cpp on the Q4_1 GGUF, mlx-lm on "
+             f"`bench/server_bench.py`, {meta['date']}, commit {rev}"
+             + (f" (with uncommitted changes to {', '.join(dirty)})" if dirty else "") +
+             f", {meta['machine']}, {meta['cpus']} CPUs, load average at the end {load[0]:.1f}, CPU time "
+             f"stolen by other guests {steal['steal_s']:.1f} s over {steal['wall_s']:.0f} s. SmolLM2-135M-Instruct; ferrolm and llama.cpp on the Q4_1 GGUF, mlx-lm on "
              f"the same weights as f32 (OpenBLAS). Greedy, {args.decode} generated tokens, median of "
              f"{args.runs} alternating runs. Streamed `/v1/completions`; decode tok/s = tokens after "
              "the first / time from the first to the last.", "",
@@ -241,9 +301,13 @@ def write(out, args, results, health, ready):
     for name, res in results.items():
         d, s = res["direct"], res["ferrolm"]
         lines.append("")
-        lines.append(f"Server overhead ({name} prompt): TTFT {s['ttft_ms'] - d['ttft_ms']:+.1f} ms "
+        # Paired: run i of the server against run i of the engine (adjacent in time).
+        pt = med([(b[0] / a[0] - 1) * 100 for a, b in zip(d["runs"], s["runs"])])
+        pd = med([(b[1] / a[1] - 1) * 100 for a, b in zip(d["runs"], s["runs"])])
+        lines.append(f"Server overhead ({name} prompt), medians: TTFT {s['ttft_ms'] - d['ttft_ms']:+.1f} ms "
                      f"({(s['ttft_ms'] / d['ttft_ms'] - 1) * 100:+.1f}%), decode "
-                     f"{(s['decode_tps'] / d['decode_tps'] - 1) * 100:+.1f}%.")
+                     f"{(s['decode_tps'] / d['decode_tps'] - 1) * 100:+.1f}%; median of the paired runs: "
+                     f"TTFT {pt:+.1f}%, decode {pd:+.1f}%.")
     h = health
     lines += ["", f"`/health` during a {h['prompt_tokens']}-token prefill ({h['prefill_s']:.1f} s): "
               f"p50 {h['busy_ms']['p50']:.1f} ms, p99 {h['busy_ms']['p99']:.1f} ms, max "

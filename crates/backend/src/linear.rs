@@ -105,6 +105,17 @@ impl Linear {
         Ok(Self { kernel, bias, out_features, bytes })
     }
 
+    /// Whether `weights` would run as one product when stacked on `device`: one format and
+    /// width, with ferrolm's CPU kernel for it on CPU, or dense (one cuBLAS/GEMV call) elsewhere.
+    /// Otherwise stacking only concatenates separate products, and callers keep them apart.
+    pub fn can_stack(weights: &[&Weight], device: &Device) -> bool {
+        let same = weights.iter().all(|w| w.dtype == weights[0].dtype && w.dims.get(1) == weights[0].dims.get(1));
+        same && match device {
+            Device::Cpu => cpu_stack(weights).is_some(),
+            _ => is_dense(weights[0].dtype),
+        }
+    }
+
     pub fn out_features(&self) -> usize {
         self.out_features
     }

@@ -8,7 +8,7 @@
 //! safetensors loader adds the 1 to checkpoint weights.
 
 use crate::config::HfConfig;
-use crate::layers::{self, Activation, Embedding, GatedMlp, SelfAttention, SelfAttentionConfig};
+use crate::layers::{self, Activation, Embedding, FusedLinear, GatedMlp, SelfAttention, SelfAttentionConfig};
 use crate::loader::{gguf::GgufFile, WeightSource};
 use crate::{CausalLm, ModelInfo, SeqInput};
 use candle_core::{DType, Device, Result, Tensor};
@@ -241,14 +241,16 @@ fn load_layer(
     let linear = |n: &str| -> crate::Result<Linear> {
         Ok(Linear::new(&src.weight(&p(n))?, None, dev)?)
     };
+    let fused = |names: &[&str]| -> crate::Result<FusedLinear> {
+        let weights = names.iter().map(|n| src.weight(&p(&format!("{n}.weight")))).collect::<crate::Result<Vec<_>>>()?;
+        Ok(FusedLinear::new(&weights.iter().collect::<Vec<_>>(), &vec![None; names.len()], dev)?)
+    };
     let eps = cfg.rms_norm_eps as f32;
     let norm = |n: &str| -> crate::Result<RmsNorm> {
         Ok(RmsNorm::new(src.tensor(&p(n), dev)?, eps)?)
     };
     let attn = SelfAttention {
-        q: linear("attn_q.weight")?,
-        k: linear("attn_k.weight")?,
-        v: linear("attn_v.weight")?,
+        qkv: fused(&["attn_q", "attn_k", "attn_v"])?,
         o: linear("attn_output.weight")?,
         q_norm: Some(norm("attn_q_norm.weight")?),
         k_norm: Some(norm("attn_k_norm.weight")?),
@@ -265,8 +267,7 @@ fn load_layer(
         },
     };
     let mlp = GatedMlp {
-        gate: linear("ffn_gate.weight")?,
-        up: linear("ffn_up.weight")?,
+        gate_up: fused(&["ffn_gate", "ffn_up"])?,
         down: linear("ffn_down.weight")?,
         activation: Activation::GeluTanh,
     };

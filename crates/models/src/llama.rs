@@ -2,7 +2,7 @@
 //! attention with RoPE, SwiGLU MLP, tied or untied output head. Qwen2 reuses it with QKV biases
 //! and half-split RoPE.
 
-use crate::layers::{self, Activation, Embedding, GatedMlp, SelfAttention, SelfAttentionConfig};
+use crate::layers::{self, Activation, Embedding, FusedLinear, GatedMlp, SelfAttention, SelfAttentionConfig};
 use crate::loader::{gguf::GgufFile, WeightSource};
 use crate::{CausalLm, ModelInfo, SeqInput};
 use candle_core::{DType, Device, Result, Tensor};
@@ -153,11 +153,15 @@ fn load_layer(
             dev,
         )?)
     };
+    // Projections of one input, stacked into one product where the formats allow.
+    let fused = |names: &[&str]| -> crate::Result<FusedLinear> {
+        let weights = names.iter().map(|n| src.weight(&p(&format!("{n}.weight")))).collect::<crate::Result<Vec<_>>>()?;
+        let biases = names.iter().map(|n| src.opt_tensor(&p(&format!("{n}.bias")), dev)).collect::<crate::Result<Vec<_>>>()?;
+        Ok(FusedLinear::new(&weights.iter().collect::<Vec<_>>(), &biases, dev)?)
+    };
     let eps = cfg.rms_norm_eps as f32;
     let attn = SelfAttention {
-        q: linear("attn_q.weight", "attn_q.bias")?,
-        k: linear("attn_k.weight", "attn_k.bias")?,
-        v: linear("attn_v.weight", "attn_v.bias")?,
+        qkv: fused(&["attn_q", "attn_k", "attn_v"])?,
         o: linear("attn_output.weight", "attn_output.bias")?,
         q_norm: None,
         k_norm: None,
@@ -174,8 +178,7 @@ fn load_layer(
         },
     };
     let mlp = GatedMlp {
-        gate: linear("ffn_gate.weight", "ffn_gate.bias")?,
-        up: linear("ffn_up.weight", "ffn_up.bias")?,
+        gate_up: fused(&["ffn_gate", "ffn_up"])?,
         down: linear("ffn_down.weight", "ffn_down.bias")?,
         activation: Activation::Silu,
     };

@@ -1,4 +1,4 @@
-use super::Span;
+use super::{FusedLinear, Span};
 use candle_core::{Result, Tensor};
 use ferrolm_backend::attention::Positions;
 use ferrolm_backend::attention_device::{append_and_attend, StaticStep};
@@ -16,9 +16,8 @@ pub struct SelfAttentionConfig {
 
 /// Multi-head self-attention with grouped KV heads, RoPE, optional per-head q/k norms (Gemma 3).
 pub struct SelfAttention {
-    pub q: Linear,
-    pub k: Linear,
-    pub v: Linear,
+    /// Q, K and V projections (stacked where the backend can).
+    pub qkv: FusedLinear,
     pub o: Linear,
     pub q_norm: Option<RmsNorm>,
     pub k_norm: Option<RmsNorm>,
@@ -35,17 +34,7 @@ impl SelfAttention {
         spans: &[Span],
         caches: &mut [&mut dyn KvCache],
     ) -> Result<Tensor> {
-        let c = &self.cfg;
-        let tokens = x.dims()[0];
-        let q = self.q.forward(x)?.reshape((tokens, c.heads, c.head_dim))?;
-        let k = self
-            .k
-            .forward(x)?
-            .reshape((tokens, c.kv_heads, c.head_dim))?;
-        let v = self
-            .v
-            .forward(x)?
-            .reshape((tokens, c.kv_heads, c.head_dim))?;
+        let (q, k, v) = self.project(x)?;
         let (q, k) = match (&self.q_norm, &self.k_norm) {
             (Some(qn), Some(kn)) => (qn.forward(&q)?, kn.forward(&k)?),
             _ => (q, k),
@@ -61,7 +50,7 @@ impl SelfAttention {
                 query_start: span.position,
                 key_start: kv.key_start,
             };
-            outs.push(attend(&qs, &kv.k, &kv.v, pos, &c.params)?);
+            outs.push(attend(&qs, &kv.k, &kv.v, pos, &self.cfg.params)?);
         }
         let attn = if outs.len() == 1 {
             outs.pop().unwrap()
@@ -75,9 +64,7 @@ impl SelfAttention {
     /// into the whole buffers `cache_k`, `cache_v` (see `CausalLm::decode_static`).
     pub fn forward_static(&self, x: &Tensor, pos: &Tensor, cache_k: &Tensor, cache_v: &Tensor) -> Result<Tensor> {
         let c = &self.cfg;
-        let q = self.q.forward(x)?.reshape((1, c.heads, c.head_dim))?;
-        let k = self.k.forward(x)?.reshape((1, c.kv_heads, c.head_dim))?;
-        let v = self.v.forward(x)?.reshape((1, c.kv_heads, c.head_dim))?;
+        let (q, k, v) = self.project(x)?;
         let (q, k) = match (&self.q_norm, &self.k_norm) {
             (Some(qn), Some(kn)) => (qn.forward(&q)?, kn.forward(&k)?),
             _ => (q, k),
@@ -86,10 +73,23 @@ impl SelfAttention {
         self.o.forward(&append_and_attend(&step)?)
     }
 
+    /// x `[tokens, hidden]` → q `[tokens, heads, head_dim]`, k and v `[tokens, kv_heads, head_dim]`.
+    fn project(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let c = &self.cfg;
+        let tokens = x.dims()[0];
+        let [q, k, v]: [Tensor; 3] = self
+            .qkv
+            .forward(x)?
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("qkv: expected three projections".into()))?;
+        Ok((
+            q.reshape((tokens, c.heads, c.head_dim))?,
+            k.reshape((tokens, c.kv_heads, c.head_dim))?,
+            v.reshape((tokens, c.kv_heads, c.head_dim))?,
+        ))
+    }
+
     pub fn weight_bytes(&self) -> usize {
-        self.q.weight_bytes()
-            + self.k.weight_bytes()
-            + self.v.weight_bytes()
-            + self.o.weight_bytes()
+        self.qkv.weight_bytes() + self.o.weight_bytes()
     }
 }

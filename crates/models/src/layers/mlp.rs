@@ -1,4 +1,5 @@
 use candle_core::{Result, Tensor};
+use super::FusedLinear;
 use ferrolm_backend::Linear;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -10,16 +11,19 @@ pub enum Activation {
 
 /// down(act(gate(x)) * up(x)).
 pub struct GatedMlp {
-    pub gate: Linear,
-    pub up: Linear,
+    /// gate and up projections (stacked where the backend can).
+    pub gate_up: FusedLinear,
     pub down: Linear,
     pub activation: Activation,
 }
 
 impl GatedMlp {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = self.gate.forward(x)?;
-        let up = self.up.forward(x)?;
+        let [gate, up]: [Tensor; 2] = self
+            .gate_up
+            .forward(x)?
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("gate_up: expected two projections".into()))?;
         let hidden = match self.activation {
             Activation::Silu => ferrolm_backend::ops::silu_mul(&gate, &up)?,
             Activation::GeluTanh => (gate.gelu()? * up)?,
@@ -28,6 +32,6 @@ impl GatedMlp {
     }
 
     pub fn weight_bytes(&self) -> usize {
-        self.gate.weight_bytes() + self.up.weight_bytes() + self.down.weight_bytes()
+        self.gate_up.weight_bytes() + self.down.weight_bytes()
     }
 }

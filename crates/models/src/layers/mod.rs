@@ -2,10 +2,12 @@
 
 mod attention;
 mod embedding;
+mod fused;
 mod mlp;
 
 pub use attention::{SelfAttention, SelfAttentionConfig};
 pub use embedding::Embedding;
+pub use fused::FusedLinear;
 pub use mlp::{Activation, GatedMlp};
 
 /// The rows of one sequence inside a batch's flattened token matrix.

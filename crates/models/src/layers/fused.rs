@@ -1,0 +1,45 @@
+use candle_core::{Device, Result, Tensor, D};
+use ferrolm_backend::{Linear, Weight};
+
+/// Projections of one input (Q|K|V, gate|up), run as one stacked product when the backend can
+/// (same format and width), else one by one. `forward` returns each projection's output.
+pub enum FusedLinear {
+    Stacked { linear: Linear, widths: Vec<usize> },
+    Separate(Vec<Linear>),
+}
+
+impl FusedLinear {
+    pub fn new(weights: &[&Weight], biases: &[Option<Tensor>], device: &Device) -> Result<Self> {
+        if Linear::can_stack(weights, device) {
+            let widths = weights.iter().map(|w| w.dims[0]).collect();
+            return Ok(Self::Stacked { linear: Linear::stacked(weights, biases, device)?, widths });
+        }
+        let parts = weights.iter().zip(biases).map(|(w, b)| Linear::new(w, b.clone(), device));
+        Ok(Self::Separate(parts.collect::<Result<_>>()?))
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        match self {
+            Self::Separate(parts) => parts.iter().map(|l| l.forward(x)).collect(),
+            Self::Stacked { linear, widths } => {
+                let y = linear.forward(x)?;
+                let mut start = 0;
+                widths
+                    .iter()
+                    .map(|&w| {
+                        let part = y.narrow(D::Minus1, start, w);
+                        start += w;
+                        part
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        match self {
+            Self::Stacked { linear, .. } => linear.weight_bytes(),
+            Self::Separate(parts) => parts.iter().map(Linear::weight_bytes).sum(),
+        }
+    }
+}

@@ -155,6 +155,27 @@ def steal_s():
         return 0.0
 
 
+def busy_fraction(seconds=0.5):
+    """Share of all CPUs busy over a short window (between rounds, our servers are idle)."""
+    def read():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v) - v[3] - v[4], sum(v)  # not idle, not iowait
+    b0, t0 = read()
+    time.sleep(seconds)
+    b1, t1 = read()
+    return (b1 - b0) / max(1, t1 - t0)
+
+
+def wait_quiet(limit_s=600):
+    """Waits (up to limit_s) until the machine is idle, so another user's compile does not
+    fall into a round; returns the seconds waited."""
+    t0 = time.time()
+    while time.time() - t0 < limit_s and busy_fraction() > 0.15:
+        time.sleep(2)
+    return time.time() - t0
+
+
 def with_steal(fn, *a):
     s0 = steal_s()
     return (*fn(*a), steal_s() - s0)
@@ -230,6 +251,9 @@ def main():
                 stream_completion(servers[k]["client"], unique(prompt), 8, model[k], EXTRA.get(k))
             direct.run(unique(prompt), 8)
             for i in range(args.runs):
+                waited = wait_quiet()
+                if waited > 1:
+                    print(f"  waited {waited:.0f} s for the machine to go idle", flush=True)
                 runs["direct"].append(with_steal(direct.run, unique(prompt), args.decode))
                 for k in servers:
                     runs[k].append(with_steal(stream_completion, servers[k]["client"], unique(prompt),
@@ -243,6 +267,7 @@ def main():
                           "(decode tok/s counts chunks as tokens)", flush=True)
             results[name] = {k: {"ttft_ms": med([r[0] for r in v]) * 1e3, "decode_tps": med([r[1] for r in v]),
                                  "tokens": med([r[2] for r in v]), "runs": v} for k, v in runs.items()}
+        wait_quiet()
         health = health_during_prefill(servers["ferrolm"]["url"], args.health_words)
     finally:
         direct.close()

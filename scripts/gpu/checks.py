@@ -93,6 +93,10 @@ def ferrolm_bench(name, prompt, decode, runs, variant="graph"):
     env = dict(os.environ)
     if variant == "eager-static":
         env["FERROLM_CUDA_GRAPH"] = "0"
+    if variant == "graph-smem":
+        env["FERROLM_CUDA_GEMV"] = "smem"
+    if variant == "graph-cublas":
+        env["FERROLM_CUDA_GEMV"] = "0"
     if variant == "regular":
         cmd.append("--no-static")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
@@ -134,6 +138,9 @@ def benches():
         regular = ferrolm_bench(name, 2048, 128, 1, "regular")
         h = hf_bench(name, 2048, 128, 2)
         row = {"ferrolm": f, "eager_static": eager, "regular": regular, "transformers": h}
+        for v in ("graph-smem", "graph-cublas"):  # A/B of the matrix-vector kernel
+            r = ferrolm_bench(name, 2048, 128, 1, v)
+            row[v] = {"decode_tps": r["decode_tps"], "prefill_tps": r["prefill_tps"], "same_ids": r["decoded_ids"] == f["decoded_ids"]} if r and f else None
         if f and eager:
             # The captured step must replay exactly what the eager step computes.
             row["graph_equals_eager"] = f["decoded_ids"] == eager["decoded_ids"]
@@ -162,7 +169,8 @@ def table():
         lines.append(f"logits {name}: " + ", ".join(f"{k} rel {v['rel']:.4f} top1 {v['top1_agree']:.2f}" if isinstance(v, dict) else f"{k} {v}" for k, v in r.items()))
     for name, row in results.get("bench", {}).items():
         lines.append(f"{name}: path {(row['ferrolm'] or {}).get('decode_path')}, graph = eager {row.get('graph_equals_eager')}, "
-                     f"graph = regular for the first {row.get('graph_equals_regular_tokens')} tokens")
+                     f"graph = regular for the first {row.get('graph_equals_regular_tokens')} tokens; "
+                     f"gemv smem {row.get('graph-smem')}; cuBLAS {row.get('graph-cublas')}")
     text = "\n".join(lines)
     open(f"{OUT}/table.md", "w").write(text + "\n")
     log(text)

@@ -15,8 +15,14 @@ xz -dc gpu-carry/ferrolm.xz > "$W/bin/ferrolm" && chmod +x "$W/bin/ferrolm"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 git log -1 --format='%H %cd' 2>/dev/null | tee -a "$OUT/device.txt" || true
 echo "== kernel self-checks"
-"$W/bin/ferrolm" gpu-check 2>&1 | tee "$OUT/gpu-check.txt"
+"$W/bin/ferrolm" gpu-check > "$OUT/gpu-check.txt" 2>&1; grep -v "^ok" "$OUT/gpu-check.txt"
+FERROLM_CUDA_GEMV=smem "$W/bin/ferrolm" gpu-check 2>&1 | grep -E "gemv|checks" | grep -v "^ok" | sed 's/^/smem: /'
 echo "== models"
 python scripts/gpu/make_models.py "$W/models" gpu-carry/tokenizer ${MODELS:-} 2>&1 | tail -5
 echo "== checks and benchmarks"
-python scripts/gpu/checks.py "$W/bin" "$W/models" "$OUT" "$@" 2>&1 | tee "$OUT/checks.log"
+python scripts/gpu/checks.py "$W/bin" "$W/models" "$OUT" "$@" > "$OUT/checks.log" 2>&1
+grep -v "Loading weights\|^bench .*: done" "$OUT/checks.log" | tail -20
+if [ "${PROFILE:-1}" = 1 ]; then
+  echo "== kernel profile"
+  bash scripts/gpu/profile.sh --no-make smollm2-135m llama-3.1-8b 2>&1 | tail -42
+fi

@@ -41,6 +41,15 @@ pub fn attend_masked(q: &Tensor, k: &Tensor, v: &Tensor, pos: Positions, p: &Att
     let group = hq / hkv;
     let dev = q.device();
     let q = q.transpose(0, 1)?.contiguous()?.reshape((hkv, group * t, d))?;
+    #[cfg(feature = "cuda")]
+    {
+        // Raw scores in the activation dtype, then scale, mask and softmax in one kernel.
+        let raw = q.matmul(&k.contiguous()?.t()?)?;
+        if let Some(probs) = crate::cuda::ops::masked_softmax(&raw, t, pos, p)? {
+            let out = probs.to_dtype(v.dtype())?.matmul(&v.contiguous()?)?;
+            return out.reshape((hq, t, d))?.transpose(0, 1)?.contiguous()?.reshape((t, hq * d));
+        }
+    }
     let scores = scores(&q, k, p)?.reshape((hkv, group, t, s))?;
     let qpos = Tensor::arange(pos.query_start as u32, (pos.query_start + t) as u32, dev)?.reshape((t, 1))?;
     let kpos = Tensor::arange(pos.key_start as u32, (pos.key_start + s) as u32, dev)?.reshape((1, s))?;

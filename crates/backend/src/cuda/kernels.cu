@@ -394,6 +394,111 @@ extern "C" __global__ void __launch_bounds__(256) fl_gemv_bf16_f32out(const bf16
   gemv_bf16<float>(x, w, y, N, K);
 }
 
+// The same product with x staged once per block in shared memory (the eight warps of a block
+// stop re-reading it through L1) and eight 16-byte weight loads in flight per lane, read with
+// the streaming hint (weights are used once per step; keep L2 for activations and the KV cache).
+// Needs K/8 uint4 of dynamic shared memory.
+__device__ __forceinline__ float dot8(uint4 wv, uint4 xv, float acc) {
+  const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&wv);
+  const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv);
+#pragma unroll
+  for (int e = 0; e < 4; e++) {
+    float2 a = __bfloat1622float2(wp[e]);
+    float2 b = __bfloat1622float2(xp[e]);
+    acc = fmaf(a.x, b.x, acc);
+    acc = fmaf(a.y, b.y, acc);
+  }
+  return acc;
+}
+template <typename TO>
+__device__ void gemv_smem_bf16(const bf16* __restrict__ x, const bf16* __restrict__ w, TO* __restrict__ y, int N, int K) {
+  extern __shared__ uint4 xs[];
+  int nv = K / 8;
+  const uint4* xg = reinterpret_cast<const uint4*>(x);
+  for (int i = threadIdx.x; i < nv; i += blockDim.x) xs[i] = xg[i];
+  __syncthreads();
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int n = blockIdx.x * (blockDim.x >> 5) + warp;
+  if (n >= N) return;
+  const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)n * K);
+  float acc = 0.f;
+  int i = lane;
+  for (; i + 224 < nv; i += 256) {
+    uint4 wv[8];
+#pragma unroll
+    for (int u = 0; u < 8; u++) wv[u] = __ldcs(wr + i + 32 * u);
+#pragma unroll
+    for (int u = 0; u < 8; u++) acc = dot8(wv[u], xs[i + 32 * u], acc);
+  }
+  for (; i < nv; i += 32) acc = dot8(__ldcs(wr + i), xs[i], acc);
+  acc = warp_sum(acc);
+  if (lane == 0) y[n] = from_f<TO>(acc);
+}
+extern "C" __global__ void __launch_bounds__(256) fl_gemv_smem_bf16(const bf16* x, const bf16* w, bf16* y, int N, int K) {
+  gemv_smem_bf16<bf16>(x, w, y, N, K);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causal (and windowed, soft-capped) softmax of raw attention scores for a prefill: scores
+// [rows, S] with row r the query at position query_start + r % T; key j sits at key_start + j and
+// is visible when kpos <= qpos and (no window, or kpos + window > qpos). probs = softmax(scale ·
+// score, soft-capped) over the visible keys, 0 elsewhere. One block per row, arithmetic in f32.
+template <typename T>
+__device__ void masked_softmax(const T* scores, T* probs, int S, int T_, unsigned query_start, unsigned key_start,
+                               int window, float scale, float softcap) {
+  size_t row = blockIdx.x;
+  const T* x = scores + row * S;
+  T* out = probs + row * S;
+  long qpos = (long)query_start + (long)(row % T_);
+  long hi = qpos - (long)key_start + 1;  // keys [lo, hi) are visible
+  if (hi > S) hi = S;
+  long lo = window > 0 ? qpos + 1 - window - (long)key_start : 0;
+  if (lo < 0) lo = 0;
+  __shared__ float red[32];
+  float m = -INFINITY;
+  for (long j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+    float v = to_f(x[j]) * scale;
+    if (softcap > 0.f) v = tanhf(v / softcap) * softcap;
+    m = fmaxf(m, v);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float v = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : -INFINITY;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (threadIdx.x == 0) red[0] = v;
+  }
+  __syncthreads();
+  m = red[0];
+  __syncthreads();
+  float sum = 0.f;
+  for (long j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+    float v = to_f(x[j]) * scale;
+    if (softcap > 0.f) v = tanhf(v / softcap) * softcap;
+    sum += __expf(v - m);
+  }
+  sum = block_sum(sum);
+  float inv = sum > 0.f ? 1.f / sum : 0.f;
+  for (long j = threadIdx.x; j < S; j += blockDim.x) {
+    float p = 0.f;
+    if (j >= lo && j < hi) {
+      float v = to_f(x[j]) * scale;
+      if (softcap > 0.f) v = tanhf(v / softcap) * softcap;
+      p = __expf(v - m) * inv;
+    }
+    out[j] = from_f<T>(p);
+  }
+}
+extern "C" __global__ void fl_masked_softmax_bf16(const bf16* x, bf16* o, int S, int T_, unsigned qs, unsigned ks, int w, float sc, float cap) {
+  masked_softmax<bf16>(x, o, S, T_, qs, ks, w, sc, cap);
+}
+extern "C" __global__ void fl_masked_softmax_f32(const float* x, float* o, int S, int T_, unsigned qs, unsigned ks, int w, float sc, float cap) {
+  masked_softmax<float>(x, o, S, T_, qs, ks, w, sc, cap);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Index of the largest of n floats (the first one on ties; NaN counts as smallest) into dst[0].
 // One block of 1024 threads.

@@ -50,6 +50,8 @@ fn keep_freed_memory(dev: &CudaDevice) {
 pub struct Policy {
     pub kernels: bool,
     pub gemv: bool,
+    /// `FERROLM_CUDA_GEMV=smem`: the matrix-vector kernel that stages x in shared memory.
+    pub gemv_smem: bool,
 }
 
 pub fn policy() -> Policy {
@@ -57,7 +59,8 @@ pub fn policy() -> Policy {
     *P.get_or_init(|| {
         let off = |k: &str| std::env::var(k).is_ok_and(|v| v == "0");
         let kernels = !off("FERROLM_CUDA_KERNELS");
-        Policy { kernels, gemv: kernels && !off("FERROLM_CUDA_GEMV") }
+        let smem = std::env::var("FERROLM_CUDA_GEMV").is_ok_and(|v| v == "smem");
+        Policy { kernels, gemv: kernels && !off("FERROLM_CUDA_GEMV"), gemv_smem: kernels && smem }
     })
 }
 
@@ -148,11 +151,25 @@ macro_rules! launch {
             let arg = $arg;
             builder.arg(&arg);
         )*
-        let cfg = LaunchConfig { grid_dim: $grid, block_dim: ($block, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig { grid_dim: $grid, block_dim: ($block, 1, 1), shared_mem_bytes: $crate::cuda::launch_smem() };
         // SAFETY: the wrappers in ops.rs pass the argument list each kernel declares in
         // kernels.cu, with pointers to live device buffers of the sizes the kernel indexes.
         unsafe { builder.launch(cfg) }.w()?;
     }};
+}
+
+thread_local! {
+    /// Dynamic shared memory for the next `launch!` on this thread (set by `with_smem`).
+    static SMEM: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+pub(crate) fn launch_smem() -> u32 {
+    SMEM.with(|c| c.replace(0))
+}
+
+/// Makes the next `launch!` on this thread reserve `bytes` of dynamic shared memory.
+pub(crate) fn with_smem(bytes: u32) {
+    SMEM.with(|c| c.set(bytes));
 }
 
 pub mod graph;

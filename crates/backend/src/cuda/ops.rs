@@ -207,7 +207,13 @@ pub fn gemv(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     *dims.last_mut().unwrap() = n;
     let out = alloc(&dev, dims, DType::BF16)?;
     let grid = n.div_ceil(8) as u32;
-    launch!(dev, "fl_gemv_bf16", (grid, 1, 1), 256, xp, wp, ptr(&out)?, n as i32, k as i32);
+    // x in shared memory: K bf16 values, within the default 48 KiB per block.
+    if policy().gemv_smem && k * 2 <= 48 * 1024 {
+        super::with_smem((k * 2) as u32);
+        launch!(dev, "fl_gemv_smem_bf16", (grid, 1, 1), 256, xp, wp, ptr(&out)?, n as i32, k as i32);
+    } else {
+        launch!(dev, "fl_gemv_bf16", (grid, 1, 1), 256, xp, wp, ptr(&out)?, n as i32, k as i32);
+    }
     Ok(Some(out))
 }
 
@@ -229,4 +235,35 @@ pub fn increment(p: &Tensor) -> Result<bool> {
     }
     launch!(dev, "fl_increment_u32", (1, 1, 1), 32, ptr(p)?);
     Ok(true)
+}
+
+/// Causal/windowed softmax of raw prefill scores `[.., T, S]` (rows ordered with the query
+/// index fastest-varying last: row r is query `r % T`) into probabilities of the same dtype,
+/// scaled and soft-capped as `p` says, in one pass (no mask tensor, no f32 copies).
+pub fn masked_softmax(scores: &Tensor, t: usize, pos: crate::attention::Positions, p: &crate::attention::AttentionParams) -> Result<Option<Tensor>> {
+    let Some((dev, sfx)) = on(scores) else { return Ok(None) };
+    let s = *scores.dims().last().unwrap_or(&0);
+    if s == 0 || t == 0 || scores.elem_count() % (s * t) != 0 {
+        return Ok(None);
+    }
+    let rows = scores.elem_count() / s;
+    let out = alloc(&dev, scores.shape().clone(), scores.dtype())?;
+    let window = p.window.map_or(0, |w| w as i32);
+    let cap = p.softcap.unwrap_or(0.0);
+    launch!(
+        dev,
+        &format!("fl_masked_softmax_{sfx}"),
+        (rows as u32, 1, 1),
+        256,
+        ptr(scores)?,
+        ptr(&out)?,
+        s as i32,
+        t as i32,
+        pos.query_start as u32,
+        pos.key_start as u32,
+        window,
+        p.scale,
+        cap
+    );
+    Ok(Some(out))
 }

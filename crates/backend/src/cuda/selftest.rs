@@ -68,6 +68,9 @@ pub fn run(dev: &Device) -> Result<Vec<Check>> {
     for (hq, hkv, d, s, window) in [(32, 8, 128, 1500, None), (9, 3, 64, 300, None), (32, 8, 64, 700, Some(256)), (8, 8, 256, 40, None)] {
         out.extend(check_attention(dev, hq, hkv, d, s, window)?);
     }
+    for (t, window, softcap) in [(37, None, None), (64, Some(20), None), (16, None, Some(30.0))] {
+        out.push(check_prefill_attention(dev, t, window, softcap)?);
+    }
     let g = randn((1, 11008), bf, dev)?;
     let u = randn((1, 11008), bf, dev)?;
     let got = need(ops::silu_mul(&g, &u)?, "silu_mul")?;
@@ -128,6 +131,23 @@ fn check_attention(dev: &Device, hq: usize, hkv: usize, d: usize, s: usize, wind
     let written = rel(&kc2.narrow(1, s - 1, 1)?, &kc3.narrow(1, s - 1, 1)?)?;
     checks.push(Check { name: format!("kv append d={d} (exact)"), error: written, bound: 0.0 });
     Ok(checks)
+}
+
+/// Prefill attention (several queries after a cached prefix; the fused masked-softmax kernel)
+/// against the reference composition in f32.
+fn check_prefill_attention(dev: &Device, t: usize, window: Option<usize>, softcap: Option<f32>) -> Result<Check> {
+    let (hq, hkv, d, prefix) = (8, 2, 64, 50);
+    let s = prefix + t;
+    let p = AttentionParams { scale: (d as f32).powf(-0.5), window, softcap };
+    let q = randn((t, hq, d), DType::BF16, dev)?;
+    let k = randn((hkv, s, d), DType::BF16, dev)?;
+    let v = randn((hkv, s, d), DType::BF16, dev)?;
+    let pos = Positions { query_start: prefix, key_start: 0 };
+    let got = crate::attention::attend(&q, &k, &v, pos, &p)?;
+    let f = |x: &Tensor| x.to_dtype(DType::F32);
+    let want = attend_generic(&f(&q)?, &f(&k)?, &f(&v)?, pos, &p)?;
+    let name = format!("prefill attention t={t} window={window:?} softcap={softcap:?}");
+    Ok(Check { name, error: rel(&got, &want)?, bound: 3e-2 })
 }
 
 /// A captured graph of (y = x·2, p += 1) replayed three times: p advanced by 3, y written each time.

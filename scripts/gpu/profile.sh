@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Kernel-time profile of ferrolm's decode on the GPU machine (nsys when present):
+#   run(command="bash scripts/gpu/profile.sh [MODEL_NAME ...]", carry=["gpu-carry"])
+# Makes the named random-weight models (scripts/gpu/make_models.py), then for each runs
+# `ferrolm bench` under nsys with the static step eager (FERROLM_CUDA_GRAPH=0: every kernel
+# launch is visible) and prints the kernel summary. Output in $OUT.
+set -uo pipefail
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+OUT=${OUT:-/tmp/ferrolm-gpu-out}
+W=/tmp/ferrolm-gpu
+mkdir -p "$W/bin" "$W/models" "$OUT"
+xz -dc gpu-carry/ferrolm.xz > "$W/bin/ferrolm" && chmod +x "$W/bin/ferrolm"
+NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+echo "nsys: ${NSYS:-none}"
+if [ "${1:-}" = --no-make ]; then shift; else
+  python scripts/gpu/make_models.py "$W/models" gpu-carry/tokenizer "$@" 2>&1 | grep made
+fi
+for m in "$@"; do
+  args=(bench --model "$W/models/$m" --device cuda --prompt-tokens 2048 --decode-tokens 64 --runs 1 --json)
+  if [ -n "$NSYS" ]; then
+    FERROLM_CUDA_GRAPH=0 "$NSYS" profile -q -t cuda -o "$W/$m" --force-overwrite true "$W/bin/ferrolm" "${args[@]}" > /dev/null 2>&1
+    "$NSYS" stats -q -r cuda_gpu_kern_sum -f csv "$W/$m.nsys-rep" 2> /dev/null > "$OUT/kern-$m.csv"
+    python3 - "$OUT/kern-$m.csv" <<'PY'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+print(sys.argv[1])
+for r in rows[:16]:
+    print(f"{float(r['Time (%)']):5.1f}% {int(r['Instances']):6d} x {float(r['Avg (ns)'])/1e3:7.1f}us {r['Name'][:70]}")
+PY
+  else
+    FERROLM_CUDA_GRAPH=0 "$W/bin/ferrolm" "${args[@]}"
+  fi
+done

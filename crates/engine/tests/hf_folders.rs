@@ -61,6 +61,7 @@ const SAME_WEIGHTS_DELTA: f32 = 1e-3;
 
 #[test]
 fn f32_folders_give_the_logits_of_the_dequantized_gguf() {
+    exact_activations();
     for (name, gguf, prompts) in F32_FOLDERS {
         let Some(dir) = folder(name) else { continue };
         let Some(quantized) = open_model(gguf) else {
@@ -125,6 +126,7 @@ const MLX_GEMMA3: Tolerance = Tolerance {
 
 #[test]
 fn folders_match_mlx_lm() {
+    exact_activations();
     let dir = repo_root().join("tests/fixtures/mlx");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .expect("mlx fixtures")

@@ -75,6 +75,7 @@ fn compare(model: &dyn CausalLm, prompt: &[u32], continuation: &[u32], steps: &[
 
 #[test]
 fn smollm2_greedy_logprobs_match_llama_cpp_and_exact_reference() {
+    exact_activations();
     let file = "SmolLM2-135M-Instruct.Q4_1.gguf";
     let Some(model) = open_model(file) else { return };
     let fixture = load_fixture(&file.replace(".gguf", ".json"));

@@ -31,6 +31,7 @@ const LLAMA_CPP: Tolerance = Tolerance {
 
 #[test]
 fn gemma3_270m_matches_llama_cpp_and_exact_reference() {
+    exact_activations();
     let Some(model) = open_model(FILE) else {
         return;
     };
@@ -68,6 +69,7 @@ fn gemma3_270m_matches_llama_cpp_and_exact_reference() {
 /// of exactly the window.
 #[test]
 fn gemma3_long_prompt_logits_do_not_depend_on_prefill_chunking() {
+    exact_activations();
     let Some(model) = open_model(FILE) else {
         return;
     };

@@ -209,5 +209,6 @@ fn check_model(file: &str) {
 
 #[test]
 fn smollm2_q4_1_matches_llama_cpp_and_exact_reference() {
+    exact_activations();
     check_model("SmolLM2-135M-Instruct.Q4_1.gguf");
 }

@@ -30,6 +30,7 @@ const LLAMA_CPP: Tolerance = Tolerance {
 
 #[test]
 fn qwen2_coder_0_5b_matches_llama_cpp_and_exact_reference() {
+    exact_activations();
     let Some(model) = open_model(FILE) else {
         return;
     };

@@ -84,9 +84,15 @@ impl CpuMatmul {
 
     /// `forward` with the kernels of a given feature level (at most the CPU's).
     pub fn forward_at(&self, level: Level, x: &[f32], t: usize, y: &mut [f32]) {
+        self.forward_with(level, super::exact_activations(), x, t, y)
+    }
+
+    /// `forward_at`, choosing exact (f32) or 8-bit activations for this call only (tests and
+    /// comparisons; others follow the process-wide `set_exact_activations`).
+    pub fn forward_with(&self, level: Level, exact: bool, x: &[f32], t: usize, y: &mut [f32]) {
         assert_eq!(x.len(), t * self.cols);
         assert_eq!(y.len(), t * self.rows);
-        let a = Args { level, m: self, x, t, y: SharedOut::new(y) };
+        let a = Args { level, exact, m: self, x, t, y: SharedOut::new(y) };
         match self.format {
             Format::F32 => run::<formats::F32>(&a),
             Format::F16 => run::<formats::F16>(&a),
@@ -104,6 +110,8 @@ impl CpuMatmul {
 
 struct Args<'a> {
     level: Level,
+    /// f32 activations even where an 8-bit kernel exists.
+    exact: bool,
     m: &'a CpuMatmul,
     x: &'a [f32],
     t: usize,
@@ -159,6 +167,9 @@ impl<T: Block> KernelBlock for T {}
 fn run<B: KernelBlock + 'static>(a: &Args) {
     let (rows, cols) = (a.m.rows, a.m.cols);
     let worth = rows * cols * a.t >= 1 << 15;
+    if a.t == 1 && int8_gemv(a, worth) {
+        return;
+    }
     if a.t == 1 {
         parallel_ranges(rows, 4, worth, |rows| a.for_parts(rows, |p, rows| gemv_part::<B>(p, rows)));
     } else {
@@ -175,6 +186,55 @@ fn run<B: KernelBlock + 'static>(a: &Args) {
             })
         });
     }
+}
+
+/// Decode with 8-bit activations (`vnni`) where the format has a kernel, the CPU the
+/// instructions and exact activations were not asked for; false if it did not run.
+fn int8_gemv(a: &Args, worth: bool) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::vnni;
+        if a.level != Level::Avx512 || !vnni::available() || a.exact {
+            return false;
+        }
+        match a.m.format {
+            Format::Q4_0 => int8_gemv_with::<formats::Q4_0>(a, worth),
+            Format::Q4_1 => int8_gemv_with::<formats::Q4_1>(a, worth),
+            Format::Q8_0 => int8_gemv_with::<formats::Q8_0>(a, worth),
+            _ => return false,
+        }
+        true
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (a, worth);
+        false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// The quantized activation row of the current product, reused across calls.
+    static QX: RefCell<Vec<super::vnni::QPair>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Quantizes x once on the calling thread, then every thread multiplies its rows with it.
+#[cfg(target_arch = "x86_64")]
+fn int8_gemv_with<V: super::vnni::Vnni>(a: &Args, worth: bool) {
+    use super::vnni;
+    QX.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        // SAFETY: `vnni::available()` was checked by the caller.
+        unsafe { vnni::quantize::<V>(a.x, &mut buf) };
+        let xq: &[vnni::QPair] = &buf;
+        parallel_ranges(a.m.rows, 4, worth, |rows| {
+            a.for_parts(rows, |p, rows| {
+                // SAFETY: VNNI was detected; `xq` holds x for this format; each thread writes
+                // only its own rows.
+                unsafe { vnni::gemv::<V>(p.w, p.cols, xq, rows, &mut |r, v| p.y.write(p.out_start + r, v)) }
+            })
+        });
+    });
 }
 
 fn gemv_part<B: KernelBlock>(p: &PartArgs, rows: std::ops::Range<usize>) {
@@ -372,9 +432,56 @@ mod tests {
                 let x = Tensor::randn(0f32, 1.0, (t, k), &dev)?;
                 let want: Vec<f32> = x.matmul(&wd.t()?)?.flatten_all()?.to_vec1()?;
                 let mut got = vec![0f32; t * n];
-                mm.forward(&x.flatten_all()?.to_vec1()?, t, &mut got);
+                mm.forward_with(level(), true, &x.flatten_all()?.to_vec1()?, t, &mut got);
                 let err = want.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
                 assert!(err < 2e-3, "{dt:?} t={t}: max error {err}");
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod int8_tests {
+    use super::*;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+    use std::sync::Arc;
+
+    /// Decode with 8-bit activations against the exact f32 path, through the whole dispatch
+    /// (threads, row groups). Each activation is rounded to within amax_b/254 of its value
+    /// (amax_b: the largest |x| of its block of 32), plus amax_b/2048 for the f16 scale (see
+    /// `vnni::tests`), so a row's product moves by at most Σ_b amax_b·(1/254 + 1/2048)·Σ_{i∈b}
+    /// |w_i|; the check is that bound plus f32 slack. With no VNNI both paths are f32 and equal.
+    #[test]
+    fn int8_decode_within_rounding_bound_of_exact() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let (n, k) = (70, 512);
+        let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
+        for dt in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::Q4K] {
+            let q = QTensor::quantize(&w, dt)?;
+            let wd: Vec<f32> = q.dequantize(&dev)?.flatten_all()?.to_vec1()?;
+            let mm = CpuMatmul::new(Format::from_ggml(dt).unwrap(), n, k, Arc::new(q.data()?.to_vec())).unwrap();
+            let x: Vec<f32> = Tensor::randn(0f32, 1.0, (1, k), &dev)?.flatten_all()?.to_vec1()?;
+            let (mut exact, mut fast) = (vec![0f32; n], vec![0f32; n]);
+            mm.forward_with(level(), true, &x, 1, &mut exact);
+            mm.forward_with(level(), false, &x, 1, &mut fast);
+            for r in 0..n {
+                let row = &wd[r * k..(r + 1) * k];
+                let bound: f32 = (0..k / 32)
+                    .map(|b| {
+                        let amax = x[b * 32..b * 32 + 32].iter().fold(0f32, |m, v| m.max(v.abs()));
+                        amax * (1.0 / 254.0 + 1.0 / 2048.0) * row[b * 32..b * 32 + 32].iter().map(|v| v.abs()).sum::<f32>()
+                    })
+                    .sum();
+                let err = (exact[r] - fast[r]).abs();
+                assert!(err <= bound + 1e-2, "{dt:?} row {r}: error {err} > bound {bound}");
+            }
+            let int8_kernel = matches!(dt, GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q8_0);
+            if int8_kernel && level() == Level::Avx512 && super::super::vnni::available() {
+                assert_ne!(exact, fast, "{dt:?}: the 8-bit path did not run");
+            } else {
+                assert_eq!(exact, fast, "{dt:?}");
             }
         }
         Ok(())

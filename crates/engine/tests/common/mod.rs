@@ -57,6 +57,12 @@ pub fn load_fixture(name: &str) -> Fixture {
     serde_json::from_str(&text).expect("fixture parses")
 }
 
+/// Keeps CPU activations in f32 for this test process (the default decode quantizes them to
+/// 8 bits, which would move logits far beyond the exact reference's tolerances).
+pub fn exact_activations() {
+    ferrolm_backend::cpu::set_exact_activations(true);
+}
+
 /// Opens a model from the models dir; None (with a notice) when it has not been fetched.
 pub fn open_model(file: &str) -> Option<Box<dyn CausalLm>> {
     let path = paths::models_dir().join(file);

@@ -1,0 +1,381 @@
+//! Decode with 8-bit activations on AVX-512 VNNI, as llama.cpp does (its q4_1·q8_1 and
+//! q8_0·q8_0 dot products): the activation row is quantized once per product into blocks of 32
+//! (int8 values and an f32 scale), and `vpdpbusd` multiplies 64 u8 weights by 64 s8 activations
+//! per instruction, summing groups of 4 into 16 i32 lanes. Only the per-block scales are applied
+//! in f32. This changes results slightly (like llama.cpp's), so `super::exact_activations()`
+//! turns it off.
+//!
+//! Two weight blocks go into one zmm (a *pair*). A format loads its pair as 64 unsigned bytes in
+//! one of two byte orders, and the activations are laid out in the same order beforehand:
+//!
+//! - `Layout::Nibbles` (4-bit formats): `[b0 values 0..16, b1 0..16, b0 16..32, b1 16..32]`,
+//!   the order in which the low and high nibbles of the two blocks unpack;
+//! - `Layout::Natural` (Q8_0): `[b0 values 0..32, b1 values 0..32]`.
+//!
+//! Signed weights are made unsigned by an offset `k` (Q8_0: w + 128; Q4_0: the stored nibble,
+//! w = q − 8), whose contribution −k·Σx is precomputed per lane and used as the accumulator's
+//! starting value, so the offset costs nothing per row.
+
+#![cfg(target_arch = "x86_64")]
+
+use super::formats::{self, Block};
+use std::arch::x86_64::*;
+
+/// Byte order of a pair of blocks in a zmm (see the module comment).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    Nibbles,
+    Natural,
+}
+
+/// One pair of quantized activation blocks, with everything the kernel needs per pair
+/// precomputed in lane order, so the per-row work is loads, one `vpdpbusd` and two FMAs.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub struct QPair {
+    /// int8 activations in the format's layout.
+    q: [i8; 64],
+    /// Each lane's block scale d_x.
+    dx: [f32; 16],
+    /// −k · (sum of the lane's 4 activations): the starting value of the integer accumulator.
+    corr: [i32; 16],
+    /// `[0, s0, 0, s1]`, s = d_x · Σq per block: multiplied by `[d0, m0, d1, m1]` it adds the
+    /// min term m·s of formats with a min (and nothing for the others, whose m lanes are 0).
+    s: [f32; 4],
+}
+
+impl QPair {
+    const ZERO: QPair = QPair {
+        q: [0; 64],
+        dx: [0.0; 16],
+        corr: [0; 16],
+        s: [0.0; 4],
+    };
+}
+
+/// Whether this CPU has the instructions these kernels use.
+pub fn available() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("f16c")
+            && is_x86_feature_detected!("fma")
+    })
+}
+
+/// A block format with a VNNI kernel.
+pub trait Vnni: Block {
+    const LAYOUT: Layout;
+    /// The offset k added to signed weights to make them unsigned.
+    const OFFSET: i32;
+    /// The pair of blocks at `b` (the second only if `two`) as 64 u8 weights in `LAYOUT`, and
+    /// `[d0, m0, d1, m1]` in f32 (m = 0 for formats without a min; d1 = m1 = 0 if not `two`).
+    ///
+    /// # Safety
+    /// AVX-512F/BW and F16C are available; `b` points at one (two if `two`) whole blocks.
+    unsafe fn load_pair(b: *const u8, two: bool) -> (__m512i, __m128);
+}
+
+#[inline(always)]
+unsafe fn u16_at(b: *const u8) -> i32 {
+    u16::from_le_bytes([*b, *b.add(1)]) as i32
+}
+
+#[inline(always)]
+unsafe fn u32_at(b: *const u8) -> i32 {
+    i32::from_le_bytes([*b, *b.add(1), *b.add(2), *b.add(3)])
+}
+
+/// Halves `[h0, h1, h2, h3]` (as two 32-bit words `lo`, `hi`) to f32.
+#[inline(always)]
+unsafe fn halves(lo: i32, hi: i32) -> __m128 {
+    _mm_cvtph_ps(_mm_set_epi32(0, 0, hi, lo))
+}
+
+/// 16 packed nibble bytes of each of two blocks → the Nibbles layout.
+#[inline(always)]
+unsafe fn unpack_nibbles(q0: *const u8, q1: *const u8, two: bool) -> __m512i {
+    let lo = _mm_loadu_si128(q0 as *const __m128i);
+    let hi = if two { _mm_loadu_si128(q1 as *const __m128i) } else { _mm_setzero_si128() };
+    let q = _mm256_set_m128i(hi, lo);
+    let mask = _mm256_set1_epi8(0x0f);
+    let low_nibbles = _mm256_and_si256(q, mask);
+    let high_nibbles = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+    _mm512_inserti64x4(_mm512_castsi256_si512(low_nibbles), high_nibbles, 1)
+}
+
+impl Vnni for formats::Q4_0 {
+    const LAYOUT: Layout = Layout::Nibbles;
+    const OFFSET: i32 = 8;
+    #[inline(always)]
+    unsafe fn load_pair(b: *const u8, two: bool) -> (__m512i, __m128) {
+        let b1 = b.add(Self::BYTES);
+        let d1 = if two { u16_at(b1) } else { 0 };
+        (unpack_nibbles(b.add(2), b1.add(2), two), halves(u16_at(b), d1))
+    }
+}
+
+impl Vnni for formats::Q4_1 {
+    const LAYOUT: Layout = Layout::Nibbles;
+    const OFFSET: i32 = 0;
+    #[inline(always)]
+    unsafe fn load_pair(b: *const u8, two: bool) -> (__m512i, __m128) {
+        let b1 = b.add(Self::BYTES);
+        let dm1 = if two { u32_at(b1) } else { 0 };
+        (unpack_nibbles(b.add(4), b1.add(4), two), halves(u32_at(b), dm1))
+    }
+}
+
+impl Vnni for formats::Q8_0 {
+    const LAYOUT: Layout = Layout::Natural;
+    const OFFSET: i32 = 128;
+    #[inline(always)]
+    unsafe fn load_pair(b: *const u8, two: bool) -> (__m512i, __m128) {
+        let b1 = b.add(Self::BYTES);
+        let lo = _mm256_loadu_si256(b.add(2) as *const __m256i);
+        let (hi, d1) = if two {
+            (_mm256_loadu_si256(b1.add(2) as *const __m256i), u16_at(b1))
+        } else {
+            (_mm256_setzero_si256(), 0)
+        };
+        let q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        // w + 128 as u8; a missing second block then reads as 128s against zero activations.
+        let q = _mm512_xor_si512(q, _mm512_set1_epi8(-128));
+        (q, halves(u16_at(b), d1))
+    }
+}
+
+/// Which block (0 or 1 of the pair) each i32 lane of the accumulator belongs to, as an index
+/// into `[d0, m0, d1, m1]`.
+#[inline(always)]
+unsafe fn scale_index(layout: Layout) -> __m512i {
+    match layout {
+        Layout::Nibbles => _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0),
+        Layout::Natural => _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0),
+    }
+}
+
+/// Quantizes 32 activations to int8 exactly as llama.cpp's x86 quantize_row_q8_0/q8_1 do
+/// (q = round-to-even(x·127/amax), scale stored as f16), so that on the same weights both
+/// engines multiply the same integers and their 8-bit rounding errors coincide instead of adding
+/// up. Returns the two halves of 16 values, d (f16-rounded) and s = d·Σq (f16-rounded, from the
+/// unrounded d, as llama.cpp's q8_1).
+#[inline(always)]
+unsafe fn quantize_block(x: *const f32) -> (__m128i, __m128i, f32, f32) {
+    let (v0, v1) = (_mm512_loadu_ps(x), _mm512_loadu_ps(x.add(16)));
+    let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    let d = amax / 127.0;
+    let id = _mm512_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+    // The default MXCSR rounding: to nearest, ties to even.
+    let q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));
+    let q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+    let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    (_mm512_cvtsepi32_epi8(q0), _mm512_cvtsepi32_epi8(q1), round_f16(d), round_f16(d * sum as f32))
+}
+
+/// `v` rounded to the nearest f16 (to even), back in f32.
+#[inline(always)]
+unsafe fn round_f16(v: f32) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(_mm_set_ss(v))))
+}
+
+/// Quantizes `x` (a multiple of 32 values) into `out` for a format `V`, one `QPair` per two
+/// blocks (an odd last block gets a zero partner).
+///
+/// # Safety
+/// `available()`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn quantize<V: Vnni>(x: &[f32], out: &mut Vec<QPair>) {
+    assert!(x.len() % 32 == 0);
+    let blocks = x.len() / 32;
+    out.clear();
+    out.resize(blocks.div_ceil(2), QPair::ZERO);
+    for (p, pair) in out.iter_mut().enumerate() {
+        let mut bytes = _mm512_setzero_si512();
+        let (mut d, mut s) = ([0f32; 2], [0f32; 2]);
+        for j in 0..2.min(blocks - 2 * p) {
+            let (lo, hi, dj, sj) = quantize_block(x.as_ptr().add((2 * p + j) * 32));
+            let (at_lo, at_hi) = match V::LAYOUT {
+                Layout::Nibbles => (j, 2 + j),
+                Layout::Natural => (2 * j, 2 * j + 1),
+            };
+            bytes = insert_128(bytes, lo, at_lo);
+            bytes = insert_128(bytes, hi, at_hi);
+            d[j] = dj;
+            s[j] = sj;
+        }
+        _mm512_storeu_si512(pair.q.as_mut_ptr() as *mut _, bytes);
+        let dx = _mm512_permutexvar_ps(scale_index(V::LAYOUT), _mm512_castps128_ps512(_mm_set_ps(0.0, d[1], 0.0, d[0])));
+        _mm512_storeu_ps(pair.dx.as_mut_ptr(), dx);
+        // Σ of each lane's 4 activations, by the same instruction with weights of 1.
+        let lane_sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), bytes);
+        let corr = _mm512_mullo_epi32(lane_sums, _mm512_set1_epi32(-V::OFFSET));
+        _mm512_storeu_si512(pair.corr.as_mut_ptr() as *mut _, corr);
+        pair.s = [0.0, s[0], 0.0, s[1]];
+    }
+}
+
+#[inline(always)]
+unsafe fn insert_128(v: __m512i, part: __m128i, at: usize) -> __m512i {
+    match at {
+        0 => _mm512_inserti32x4::<0>(v, part),
+        1 => _mm512_inserti32x4::<1>(v, part),
+        2 => _mm512_inserti32x4::<2>(v, part),
+        _ => _mm512_inserti32x4::<3>(v, part),
+    }
+}
+
+/// Adds one row's product with one pair: f32 `acc` += Σ_lanes d_w·d_x·(integer dot), and the
+/// min term into `macc`.
+#[inline(always)]
+unsafe fn pair_dot<V: Vnni>(w: *const u8, two: bool, xp: &QPair, idx: __m512i, acc: &mut __m512, macc: &mut __m128) {
+    let (wq, dm) = V::load_pair(w, two);
+    let xq = _mm512_load_si512(xp.q.as_ptr() as *const _);
+    let corr = _mm512_load_si512(xp.corr.as_ptr() as *const _);
+    let isum = _mm512_dpbusd_epi32(corr, wq, xq);
+    let dw = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(dm));
+    let scale = _mm512_mul_ps(dw, _mm512_load_ps(xp.dx.as_ptr()));
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
+    *macc = _mm_fmadd_ps(dm, _mm_load_ps(xp.s.as_ptr()), *macc);
+}
+
+#[inline(always)]
+unsafe fn finish(acc: __m512, macc: __m128) -> f32 {
+    let m = _mm_add_ps(macc, _mm_movehl_ps(macc, macc));
+    _mm512_reduce_add_ps(acc) + _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps::<1>(m, m)))
+}
+
+/// y[r] = W[r] · x for rows `rows`, with `xq` = `quantize::<V>(x)`, four rows at a time sharing
+/// the activation loads.
+///
+/// # Safety
+/// `available()`; `w` holds whole rows of `cols / 32` blocks; `xq` was quantized from `cols`
+/// values for this `V`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn gemv<V: Vnni>(w: &[u8], cols: usize, xq: &[QPair], rows: std::ops::Range<usize>, y: &mut dyn FnMut(usize, f32)) {
+    debug_assert_eq!(V::N, 32);
+    let blocks = cols / 32;
+    let row_bytes = blocks * V::BYTES;
+    assert!(w.len() >= rows.end * row_bytes && xq.len() == blocks.div_ceil(2));
+    let (full, odd) = (blocks / 2, blocks % 2 == 1);
+    let pair_bytes = 2 * V::BYTES;
+    let idx = scale_index(V::LAYOUT);
+    let mut r = rows.start;
+    while r + 4 <= rows.end {
+        let base = w.as_ptr().add(r * row_bytes);
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let mut macc = [_mm_setzero_ps(); 4];
+        for p in 0..full {
+            for i in 0..4 {
+                pair_dot::<V>(base.add(i * row_bytes + p * pair_bytes), true, &xq[p], idx, &mut acc[i], &mut macc[i]);
+            }
+        }
+        if odd {
+            for i in 0..4 {
+                pair_dot::<V>(base.add(i * row_bytes + full * pair_bytes), false, &xq[full], idx, &mut acc[i], &mut macc[i]);
+            }
+        }
+        for i in 0..4 {
+            y(r + i, finish(acc[i], macc[i]));
+        }
+        r += 4;
+    }
+    for r in r..rows.end {
+        let base = w.as_ptr().add(r * row_bytes);
+        let (mut acc, mut macc) = (_mm512_setzero_ps(), _mm_setzero_ps());
+        for p in 0..full {
+            pair_dot::<V>(base.add(p * pair_bytes), true, &xq[p], idx, &mut acc, &mut macc);
+        }
+        if odd {
+            pair_dot::<V>(base.add(full * pair_bytes), false, &xq[full], idx, &mut acc, &mut macc);
+        }
+        y(r, finish(acc, macc));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The int8 dot product against f64 on the same dequantized weights. Each activation is
+    /// rounded to within d/2 = amax_b/254 of its value, and the f16 scale d₁₆ differs from d by
+    /// at most 2⁻¹¹·d, i.e. at most 127·2⁻¹¹·d = amax_b/2048 per value: so a row's product moves
+    /// by at most Σ_b amax_b·(1/254 + 1/2048)·Σ_{i∈b}|w_i|. The f16-rounded s (formats with a
+    /// min) and f32 sums add at most ~2⁻¹¹ relative to Σ|w·x| (slack 1e-3·Σ|w·x|). On random data
+    /// the error must also stay well below 1% of Σ|w·x|.
+    fn check<V: Vnni>(cols: usize) {
+        if !available() {
+            eprintln!("SKIP: no AVX-512 VNNI");
+            return;
+        }
+        let rows = 11;
+        let mut seed = 0x9e3779b97f4a7c15u64;
+        let mut rnd = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        };
+        let wf: Vec<f32> = (0..rows * cols).map(|_| rnd()).collect();
+        let x: Vec<f32> = (0..cols).map(|i| rnd() * if i % 7 == 0 { 5.0 } else { 1.0 }).collect();
+        let w = quantize_rows::<V>(&wf, rows, cols);
+        let mut wd = vec![0f32; rows * cols];
+        for (blk, o) in w.chunks_exact(V::BYTES).zip(wd.chunks_exact_mut(32)) {
+            V::dequant(blk, o);
+        }
+        let mut xq = Vec::new();
+        // SAFETY: VNNI was detected above.
+        unsafe { quantize::<V>(&x, &mut xq) };
+        let mut got = vec![0f32; rows];
+        // SAFETY: as above; `w` holds `rows` whole rows.
+        unsafe { gemv::<V>(&w, cols, &xq, 0..rows, &mut |r, v| got[r] = v) };
+        for r in 0..rows {
+            let row = &wd[r * cols..(r + 1) * cols];
+            let exact: f64 = row.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+            let abs: f64 = row.iter().zip(&x).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+            let bound: f64 = (0..cols / 32)
+                .map(|b| {
+                    let amax = x[b * 32..b * 32 + 32].iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+                    amax * (1.0 / 254.0 + 1.0 / 2048.0) * row[b * 32..b * 32 + 32].iter().map(|v| v.abs() as f64).sum::<f64>()
+                })
+                .sum();
+            let err = (got[r] as f64 - exact).abs();
+            assert!(err <= bound + 1e-3 * abs, "row {r}: error {err} > bound {bound}");
+            assert!(err <= 0.01 * abs, "row {r}: error {err} vs Σ|w·x| {abs}");
+        }
+    }
+
+    /// Quantizes f32 rows with candle's reference quantizer.
+    fn quantize_rows<V: Vnni>(wf: &[f32], rows: usize, cols: usize) -> Vec<u8> {
+        use candle_core::quantized::{GgmlDType, QTensor};
+        let dt = match V::BYTES {
+            18 => GgmlDType::Q4_0,
+            20 => GgmlDType::Q4_1,
+            _ => GgmlDType::Q8_0,
+        };
+        let t = candle_core::Tensor::from_slice(wf, (rows, cols), &candle_core::Device::Cpu).unwrap();
+        QTensor::quantize(&t, dt).unwrap().data().unwrap().to_vec()
+    }
+
+    #[test]
+    fn q4_1_within_int8_rounding_bound() {
+        check::<formats::Q4_1>(576);
+        check::<formats::Q4_1>(1536);
+        check::<formats::Q4_1>(96); // odd number of blocks
+    }
+
+    #[test]
+    fn q4_0_within_int8_rounding_bound() {
+        check::<formats::Q4_0>(576);
+        check::<formats::Q4_0>(96);
+    }
+
+    #[test]
+    fn q8_0_within_int8_rounding_bound() {
+        check::<formats::Q8_0>(576);
+        check::<formats::Q8_0>(96);
+    }
+}

@@ -3,6 +3,7 @@
 //! chunk and step, an observed finish cause wins over the length limit, and stats are returned
 //! on every exit path, also when the consumer stops early.
 
+use crate::graph_decode::GraphDecoder;
 use crate::prefill::plan_prefill;
 use crate::sampler::TokenSampler;
 use candle_core::Tensor;
@@ -81,6 +82,9 @@ pub fn generate(
     };
     let mut next = sampler.sample(&logits, &history)?;
     clock.first_token = Some(Instant::now());
+    if let Some(reason) = captured_greedy(model, cache, &input, sampler, next.token, &mut history, &mut stats, on_token)? {
+        return Ok(finish(stats, &clock, cache, &history, reason));
+    }
     let reason = loop {
         let token = next.token;
         history.push(token);
@@ -106,6 +110,65 @@ pub fn generate(
         next = sampler.sample(&logits, &history)?;
     };
     Ok(finish(stats, &clock, cache, &history, reason))
+}
+
+thread_local! {
+    /// The engine thread's captured decode step, kept across requests (its graph is reused while
+    /// the cache buffers are the same, and recaptured otherwise).
+    static DECODER: std::cell::RefCell<Option<GraphDecoder>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Plain greedy requests on a device with step graphs decode through the captured step
+/// (`graph_decode`): the same tokens, without a host round trip per step. Returns the finish
+/// reason (`Some(None)`: the consumer stopped), or `None` when this path does not apply and
+/// nothing was decoded.
+#[allow(clippy::too_many_arguments)]
+fn captured_greedy(
+    model: &dyn CausalLm,
+    cache: &mut SeqCache,
+    input: &GenerateInput<'_>,
+    sampler: &dyn TokenSampler,
+    first: TokenId,
+    history: &mut Vec<TokenId>,
+    stats: &mut GenerationStats,
+    on_token: &mut dyn FnMut(TokenEvent) -> Flow,
+) -> candle_core::Result<Option<Option<FinishReason>>> {
+    if !sampler.is_plain_greedy() || !crate::graph_decode::use_static_decode(model) {
+        return Ok(None);
+    }
+    let reason = std::cell::Cell::new(None);
+    let mut deliver = |token: TokenId, history: &mut Vec<TokenId>, stats: &mut GenerationStats| -> bool {
+        history.push(token);
+        stats.generated_tokens += 1;
+        let event = TokenEvent { token, index: stats.generated_tokens - 1, logprobs: None };
+        if on_token(event) == Flow::Stop {
+            return false;
+        }
+        reason.set(if input.eos_ids.contains(&token) {
+            Some(FinishReason::Stop)
+        } else if stats.generated_tokens >= input.params.max_tokens {
+            Some(FinishReason::Length)
+        } else if input.cancel.is_cancelled() {
+            Some(FinishReason::Cancelled)
+        } else {
+            None
+        });
+        reason.get().is_none()
+    };
+    if !deliver(first, history, stats) {
+        return Ok(Some(reason.get()));
+    }
+    let remaining = input.params.max_tokens - stats.generated_tokens;
+    DECODER.with(|slot| -> candle_core::Result<Option<Option<FinishReason>>> {
+        let mut slot = slot.borrow_mut();
+        if slot.is_none() {
+            *slot = GraphDecoder::new(model)?;
+        }
+        let decoder = slot.as_mut().expect("llama-family models have a static step");
+        let ran = decoder.run(model, cache, first, remaining, &mut |t| deliver(t, history, stats))?;
+        debug_assert!(ran.is_some(), "checked has_static_decode above");
+        Ok(Some(reason.get()))
+    })
 }
 
 /// A cache that already holds the whole prompt must recompute the last token's logits: drop it.

@@ -15,6 +15,20 @@ use ferrolm_backend::ops::{argmax_into, increment};
 use ferrolm_kv::SeqCache;
 use ferrolm_models::CausalLm;
 
+static FORCE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes the engine decode plain greedy requests through the static step on every device, CPU
+/// included (where it runs eagerly and is slower): lets the tests drive the GPU code path.
+pub fn force_static_decode(on: bool) {
+    FORCE.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether the engine should decode plain greedy requests on `model` through the static step.
+pub fn use_static_decode(model: &dyn CausalLm) -> bool {
+    model.has_static_decode()
+        && (graph::supported(model.device()) || FORCE.load(std::sync::atomic::Ordering::Relaxed))
+}
+
 /// Device-resident state of a greedy decode, reusable across generations: the graph stays
 /// valid as long as the cache keeps the same buffers.
 pub struct GraphDecoder {

@@ -12,6 +12,11 @@ pub struct Sampled {
 /// (prompt ++ generated) in, one token out.
 pub trait TokenSampler {
     fn sample(&mut self, logits: &Tensor, history: &[TokenId]) -> candle_core::Result<Sampled>;
+    /// Whether every step is a plain argmax of the logits (no processors, no logprobs): the
+    /// engine may then decode with its captured on-device step.
+    fn is_plain_greedy(&self) -> bool {
+        false
+    }
 }
 
 /// The request sampler (mlx-lm semantics) plugs in directly.
@@ -23,5 +28,9 @@ impl TokenSampler for ferrolm_sample::Sampler {
             token: s.token,
             logprobs: s.logprobs,
         })
+    }
+
+    fn is_plain_greedy(&self) -> bool {
+        ferrolm_sample::Sampler::is_plain_greedy(self)
     }
 }

@@ -40,6 +40,8 @@ fn static_greedy(model: &dyn CausalLm, dec: &mut GraphDecoder, prompt: &[u32], n
 
 #[test]
 fn static_decode_equals_regular_decode_on_the_default_model() {
+    // The two paths attend differently (fused kernel vs composition): compare them in f32.
+    exact_activations();
     let Some(model) = open_model("SmolLM2-135M-Instruct.Q4_1.gguf") else { return };
     let fixture = load_fixture("SmolLM2-135M-Instruct.Q4_1.json");
     let mut dec = GraphDecoder::new(model.as_ref()).unwrap().expect("llama has a static step");
@@ -56,4 +58,42 @@ fn static_decode_equals_regular_decode_on_the_default_model() {
         assert_eq!(got, want[..5], "{name}: early stop");
         assert_eq!(offset, p.prompt_ids.len() + 4, "{name}: early stop");
     }
+}
+
+/// The engine's `generate` on a plain greedy request through the static step (forced on CPU):
+/// the same tokens, EOS and length limits honoured, the cache holding what was forwarded.
+#[test]
+fn generate_uses_the_static_step_for_plain_greedy_requests() {
+    exact_activations();
+    let Some(model) = open_model("SmolLM2-135M-Instruct.Q4_1.gguf") else { return };
+    let fixture = load_fixture("SmolLM2-135M-Instruct.Q4_1.json");
+    let p = fixture.prompts.iter().find(|p| p.name == "chat_capital").unwrap();
+    let want = regular_greedy(model.as_ref(), &p.prompt_ids, 12);
+    ferrolm_engine::graph_decode::force_static_decode(true);
+    let run = |max_tokens: usize, eos: &[u32]| {
+        let mut cache = model.make_cache();
+        let params = GenerateParams { max_tokens, ..Default::default() };
+        let input = GenerateInput { prompt: &p.prompt_ids, params: &params, eos_ids: eos, cancel: &CancelToken::new() };
+        let sp = ferrolm_core::SamplingParams::default();
+        let cfg = ferrolm_sample::SamplerConfig { vocab_size: model.info().vocab_size, ..Default::default() };
+        let mut sampler = ferrolm_sample::Sampler::new(&sp, &cfg).unwrap();
+        let mut out = Vec::new();
+        let stats = generate(model.as_ref(), &mut cache, input, &mut sampler, None, &mut |e| {
+            out.push(e.token);
+            Flow::Continue
+        })
+        .unwrap();
+        (out, stats, cache.offset())
+    };
+    let (got, stats, offset) = run(12, &[]);
+    assert_eq!(got, want);
+    assert_eq!(stats.finish_reason, Some(ferrolm_core::FinishReason::Length));
+    assert_eq!(offset, p.prompt_ids.len() + 11);
+    assert_eq!(stats.cache_tokens.len(), offset);
+    // EOS on the 4th token: it is delivered, not forwarded.
+    let (got, stats, offset) = run(12, &[want[3]]);
+    assert_eq!(got, want[..4]);
+    assert_eq!(stats.finish_reason, Some(ferrolm_core::FinishReason::Stop));
+    assert_eq!(offset, p.prompt_ids.len() + 3);
+    ferrolm_engine::graph_decode::force_static_decode(false);
 }

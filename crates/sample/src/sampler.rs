@@ -148,6 +148,12 @@ impl Sampler {
         self.temperature == 0.0
     }
 
+    /// Plain argmax: temperature 0, no logit processors and no logprobs. Such a step can run
+    /// entirely on the device (the engine's captured decode does its own argmax).
+    pub fn is_plain_greedy(&self) -> bool {
+        self.is_greedy() && self.processors.is_empty() && self.logprobs.is_none()
+    }
+
     /// Whether `sample` reads the history (penalties); the engine may pass `&[]` otherwise.
     pub fn needs_history(&self) -> bool {
         self.processors.needs_history()

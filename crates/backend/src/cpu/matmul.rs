@@ -200,7 +200,11 @@ fn int8_gemv(a: &Args, worth: bool) -> bool {
         match a.m.format {
             Format::Q4_0 => int8_gemv_with::<formats::Q4_0>(a, worth),
             Format::Q4_1 => int8_gemv_with::<formats::Q4_1>(a, worth),
+            Format::Q5_0 => int8_gemv_with::<formats::Q5_0>(a, worth),
+            Format::Q5_1 => int8_gemv_with::<formats::Q5_1>(a, worth),
             Format::Q8_0 => int8_gemv_with::<formats::Q8_0>(a, worth),
+            Format::Q4K => int8_gemv_with::<formats::Q4K>(a, worth),
+            Format::Q6K => int8_gemv_with::<formats::Q6K>(a, worth),
             _ => return false,
         }
         true
@@ -458,7 +462,7 @@ mod int8_tests {
         let dev = Device::Cpu;
         let (n, k) = (70, 512);
         let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
-        for dt in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::Q4K] {
+        for dt in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q5_0, GgmlDType::Q5_1, GgmlDType::F16] {
             let q = QTensor::quantize(&w, dt)?;
             let wd: Vec<f32> = q.dequantize(&dev)?.flatten_all()?.to_vec1()?;
             let mm = CpuMatmul::new(Format::from_ggml(dt).unwrap(), n, k, Arc::new(q.data()?.to_vec())).unwrap();
@@ -477,7 +481,7 @@ mod int8_tests {
                 let err = (exact[r] - fast[r]).abs();
                 assert!(err <= bound + 1e-2, "{dt:?} row {r}: error {err} > bound {bound}");
             }
-            let int8_kernel = matches!(dt, GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q8_0);
+            let int8_kernel = dt != GgmlDType::F16;
             if int8_kernel && level() == Level::Avx512 && super::super::vnni::available() {
                 assert_ne!(exact, fast, "{dt:?}: the 8-bit path did not run");
             } else {

@@ -66,17 +66,20 @@ pub fn available() -> bool {
     })
 }
 
-/// A block format with a VNNI kernel.
+/// A block format with a VNNI kernel. Its values are read in *pairs* of 64: two blocks of 32
+/// (formats with N = 32), or a quarter of a 256-value super-block (K formats).
 pub trait Vnni: Block {
     const LAYOUT: Layout;
     /// The offset k added to signed weights to make them unsigned.
     const OFFSET: i32;
-    /// The pair of blocks at `b` (the second only if `two`) as 64 u8 weights in `LAYOUT`, and
-    /// `[d0, m0, d1, m1]` in f32 (m = 0 for formats without a min; d1 = m1 = 0 if not `two`).
+    /// Pair `p` of the weight block at `b` (N = 256; for N = 32 `p` is 0 and the pair is the
+    /// block at `b` and, if `two`, the next one): 64 u8 weights in `LAYOUT`, each i32 lane's
+    /// weight scale (in the lane order of `vpdpbusd`'s sums), and `[_, m0, _, m1]`, the min
+    /// term of each 32-value half (w = d·q + m; 0 for formats without a min).
     ///
     /// # Safety
     /// AVX-512F/BW and F16C are available; `b` points at one (two if `two`) whole blocks.
-    unsafe fn load_pair(b: *const u8, two: bool) -> (__m512i, __m128);
+    unsafe fn load_pair(b: *const u8, p: usize, two: bool) -> (__m512i, __m512, __m128);
 }
 
 #[inline(always)]
@@ -100,21 +103,33 @@ unsafe fn halves(lo: i32, hi: i32) -> __m128 {
 unsafe fn unpack_nibbles(q0: *const u8, q1: *const u8, two: bool) -> __m512i {
     let lo = _mm_loadu_si128(q0 as *const __m128i);
     let hi = if two { _mm_loadu_si128(q1 as *const __m128i) } else { _mm_setzero_si128() };
-    let q = _mm256_set_m128i(hi, lo);
+    split_nibbles(_mm256_set_m128i(hi, lo))
+}
+
+/// 32 bytes → `[their low nibbles, their high nibbles]`.
+#[inline(always)]
+unsafe fn split_nibbles(q: __m256i) -> __m512i {
     let mask = _mm256_set1_epi8(0x0f);
     let low_nibbles = _mm256_and_si256(q, mask);
     let high_nibbles = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
     _mm512_inserti64x4(_mm512_castsi256_si512(low_nibbles), high_nibbles, 1)
 }
 
+/// Spreads `[d0, _, d1, _]` over the lanes of each block in `layout`.
+#[inline(always)]
+unsafe fn per_lane(layout: Layout, dm: __m128) -> __m512 {
+    _mm512_permutexvar_ps(scale_index(layout), _mm512_castps128_ps512(dm))
+}
+
 impl Vnni for formats::Q4_0 {
     const LAYOUT: Layout = Layout::Nibbles;
     const OFFSET: i32 = 8;
     #[inline(always)]
-    unsafe fn load_pair(b: *const u8, two: bool) -> (__m512i, __m128) {
+    unsafe fn load_pair(b: *const u8, _p: usize, two: bool) -> (__m512i, __m512, __m128) {
         let b1 = b.add(Self::BYTES);
         let d1 = if two { u16_at(b1) } else { 0 };
-        (unpack_nibbles(b.add(2), b1.add(2), two), halves(u16_at(b), d1))
+        let dm = halves(u16_at(b), d1);
+        (unpack_nibbles(b.add(2), b1.add(2), two), per_lane(Self::LAYOUT, dm), dm)
     }
 }
 
@@ -122,10 +137,45 @@ impl Vnni for formats::Q4_1 {
     const LAYOUT: Layout = Layout::Nibbles;
     const OFFSET: i32 = 0;
     #[inline(always)]
-    unsafe fn load_pair(b: *const u8, two: bool) -> (__m512i, __m128) {
+    unsafe fn load_pair(b: *const u8, _p: usize, two: bool) -> (__m512i, __m512, __m128) {
         let b1 = b.add(Self::BYTES);
         let dm1 = if two { u32_at(b1) } else { 0 };
-        (unpack_nibbles(b.add(4), b1.add(4), two), halves(u32_at(b), dm1))
+        let dm = halves(u32_at(b), dm1);
+        (unpack_nibbles(b.add(4), b1.add(4), two), per_lane(Self::LAYOUT, dm), dm)
+    }
+}
+
+/// Q5 blocks: the Nibbles layout of the low 4 bits, with the fifth bits (one u32 per block, bit
+/// j for value j) added as 16 where set.
+#[inline(always)]
+unsafe fn q5_pair(b: *const u8, qh: usize, qs: usize, bytes: usize, two: bool) -> __m512i {
+    let b1 = b.add(bytes);
+    let low = unpack_nibbles(b.add(qs), b1.add(qs), two);
+    let (h0, h1) = (u32_at(b.add(qh)) as u32 as u64, if two { u32_at(b1.add(qh)) as u32 as u64 } else { 0 });
+    // Byte i of the layout is value i of b0 (i < 16), of b1 (16..32), 16 + i of b0 (32..48)...
+    let mask = (h0 & 0xffff) | (h1 & 0xffff) << 16 | (h0 >> 16) << 32 | (h1 >> 16) << 48;
+    _mm512_mask_add_epi8(low, mask, low, _mm512_set1_epi8(16))
+}
+
+impl Vnni for formats::Q5_0 {
+    const LAYOUT: Layout = Layout::Nibbles;
+    const OFFSET: i32 = 16;
+    #[inline(always)]
+    unsafe fn load_pair(b: *const u8, _p: usize, two: bool) -> (__m512i, __m512, __m128) {
+        let d1 = if two { u16_at(b.add(Self::BYTES)) } else { 0 };
+        let dm = halves(u16_at(b), d1);
+        (q5_pair(b, 2, 6, Self::BYTES, two), per_lane(Self::LAYOUT, dm), dm)
+    }
+}
+
+impl Vnni for formats::Q5_1 {
+    const LAYOUT: Layout = Layout::Nibbles;
+    const OFFSET: i32 = 0;
+    #[inline(always)]
+    unsafe fn load_pair(b: *const u8, _p: usize, two: bool) -> (__m512i, __m512, __m128) {
+        let dm1 = if two { u32_at(b.add(Self::BYTES)) } else { 0 };
+        let dm = halves(u32_at(b), dm1);
+        (q5_pair(b, 4, 8, Self::BYTES, two), per_lane(Self::LAYOUT, dm), dm)
     }
 }
 
@@ -133,7 +183,7 @@ impl Vnni for formats::Q8_0 {
     const LAYOUT: Layout = Layout::Natural;
     const OFFSET: i32 = 128;
     #[inline(always)]
-    unsafe fn load_pair(b: *const u8, two: bool) -> (__m512i, __m128) {
+    unsafe fn load_pair(b: *const u8, _p: usize, two: bool) -> (__m512i, __m512, __m128) {
         let b1 = b.add(Self::BYTES);
         let lo = _mm256_loadu_si256(b.add(2) as *const __m256i);
         let (hi, d1) = if two {
@@ -144,7 +194,64 @@ impl Vnni for formats::Q8_0 {
         let q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
         // w + 128 as u8; a missing second block then reads as 128s against zero activations.
         let q = _mm512_xor_si512(q, _mm512_set1_epi8(-128));
-        (q, halves(u16_at(b), d1))
+        let dm = halves(u16_at(b), d1);
+        (q, per_lane(Self::LAYOUT, dm), dm)
+    }
+}
+
+impl Vnni for formats::Q4K {
+    const LAYOUT: Layout = Layout::Natural;
+    const OFFSET: i32 = 0;
+    /// Pair p is the 32 bytes of group p: low nibbles are sub-block 2p, high ones 2p + 1, each
+    /// with a 6-bit scale and min: w = d·sc·q − dmin·m.
+    #[inline(always)]
+    unsafe fn load_pair(b: *const u8, p: usize, _two: bool) -> (__m512i, __m512, __m128) {
+        let q = split_nibbles(_mm256_loadu_si256(b.add(16 + 32 * p) as *const __m256i));
+        let dd = halves(u32_at(b), 0); // [d, dmin, 0, 0]
+        let scales = std::slice::from_raw_parts(b.add(4), 12);
+        let (sc0, m0) = scale_min_k4(2 * p, scales);
+        let (sc1, m1) = scale_min_k4(2 * p + 1, scales);
+        let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
+        let dm = _mm_set_ps(-dmin * m1, d * sc1, -dmin * m0, d * sc0);
+        (q, per_lane(Self::LAYOUT, dm), dm)
+    }
+}
+
+/// The 6-bit scale and min of sub-block `j` of a Q4_K super-block (ggml's get_scale_min_k4).
+#[inline(always)]
+fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
+    if j < 4 {
+        ((q[j] & 63) as f32, (q[j + 4] & 63) as f32)
+    } else {
+        let sc = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+        let m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+        (sc as f32, m as f32)
+    }
+}
+
+impl Vnni for formats::Q6K {
+    const LAYOUT: Layout = Layout::Natural;
+    const OFFSET: i32 = 32;
+    /// Pair p is quadrants 2(p%2) and 2(p%2)+1 of half p/2: 4 low bits from a nibble of ql
+    /// (low nibbles for the first quadrant pair, high for the second), 2 high bits from qh;
+    /// an i8 scale per 16 values, so four per pair: w = d·sc·(q − 32).
+    #[inline(always)]
+    unsafe fn load_pair(b: *const u8, p: usize, _two: bool) -> (__m512i, __m512, __m128) {
+        let (h, second) = (p / 2, p % 2 == 1);
+        let ql = _mm512_loadu_si512(b.add(64 * h) as *const _);
+        let ql = if second { _mm512_srli_epi16(ql, 4) } else { ql };
+        let ql = _mm512_and_si512(ql, _mm512_set1_epi8(0x0f));
+        // The same 32 qh bytes serve both quadrants, shifted by 2·quadrant.
+        let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i));
+        let shift = if second { _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4) } else { _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0) };
+        let shift = _mm512_or_si512(shift, _mm512_slli_epi64(shift, 16));
+        let shift = _mm512_or_si512(shift, _mm512_slli_epi64(shift, 32));
+        let qh = _mm512_and_si512(_mm512_srlv_epi16(qh, shift), _mm512_set1_epi8(3));
+        let q = _mm512_or_si512(ql, _mm512_slli_epi16(qh, 4));
+        let sc = _mm_cvtepi8_epi32(_mm_cvtsi32_si128(u32_at(b.add(192 + 8 * h + 4 * (p % 2)))));
+        let sc = _mm_mul_ps(_mm_cvtepi32_ps(sc), _mm_set1_ps(_mm_cvtss_f32(halves(u16_at(b.add(208)), 0))));
+        let idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        (q, _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(sc)), _mm_setzero_ps())
     }
 }
 
@@ -231,15 +338,14 @@ unsafe fn insert_128(v: __m512i, part: __m128i, at: usize) -> __m512i {
 /// Adds one row's product with one pair: f32 `acc` += Σ_lanes d_w·d_x·(integer dot), and the
 /// min term into `macc`.
 #[inline(always)]
-unsafe fn pair_dot<V: Vnni>(w: *const u8, two: bool, xp: &QPair, idx: __m512i, acc: &mut __m512, macc: &mut __m128) {
-    let (wq, dm) = V::load_pair(w, two);
+unsafe fn pair_dot<V: Vnni>(w: *const u8, p: usize, two: bool, xp: &QPair, acc: &mut __m512, macc: &mut __m128) {
+    let (wq, dw, m) = V::load_pair(w, p, two);
     let xq = _mm512_load_si512(xp.q.as_ptr() as *const _);
     let corr = _mm512_load_si512(xp.corr.as_ptr() as *const _);
     let isum = _mm512_dpbusd_epi32(corr, wq, xq);
-    let dw = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(dm));
     let scale = _mm512_mul_ps(dw, _mm512_load_ps(xp.dx.as_ptr()));
     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
-    *macc = _mm_fmadd_ps(dm, _mm_load_ps(xp.s.as_ptr()), *macc);
+    *macc = _mm_fmadd_ps(m, _mm_load_ps(xp.s.as_ptr()), *macc);
 }
 
 #[inline(always)]
@@ -248,51 +354,59 @@ unsafe fn finish(acc: __m512, macc: __m128) -> f32 {
     _mm512_reduce_add_ps(acc) + _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps::<1>(m, m)))
 }
 
+/// Adds row `row`'s products with every pair of `xq` into `acc[i]`, `macc[i]` for the `R` rows
+/// at `row + i·row_bytes`, sharing each pair's activation loads.
+#[inline(always)]
+unsafe fn rows_dot<V: Vnni, const R: usize>(row: *const u8, row_bytes: usize, xq: &[QPair], odd: bool) -> [f32; R] {
+    let mut acc = [_mm512_setzero_ps(); R];
+    let mut macc = [_mm_setzero_ps(); R];
+    let full = xq.len() - odd as usize;
+    if V::N == 32 {
+        for p in 0..full {
+            for i in 0..R {
+                pair_dot::<V>(row.add(i * row_bytes + 2 * p * V::BYTES), 0, true, &xq[p], &mut acc[i], &mut macc[i]);
+            }
+        }
+        if odd {
+            for i in 0..R {
+                pair_dot::<V>(row.add(i * row_bytes + 2 * full * V::BYTES), 0, false, &xq[full], &mut acc[i], &mut macc[i]);
+            }
+        }
+    } else {
+        let per_block = V::N / 64;
+        for (blk, pairs) in xq.chunks_exact(per_block).enumerate() {
+            for (p, xp) in pairs.iter().enumerate() {
+                for i in 0..R {
+                    pair_dot::<V>(row.add(i * row_bytes + blk * V::BYTES), p, true, xp, &mut acc[i], &mut macc[i]);
+                }
+            }
+        }
+    }
+    std::array::from_fn(|i| finish(acc[i], macc[i]))
+}
+
 /// y[r] = W[r] · x for rows `rows`, with `xq` = `quantize::<V>(x)`, four rows at a time sharing
 /// the activation loads.
 ///
 /// # Safety
-/// `available()`; `w` holds whole rows of `cols / 32` blocks; `xq` was quantized from `cols`
+/// `available()`; `w` holds whole rows of `cols / N` blocks; `xq` was quantized from `cols`
 /// values for this `V`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn gemv<V: Vnni>(w: &[u8], cols: usize, xq: &[QPair], rows: std::ops::Range<usize>, y: &mut dyn FnMut(usize, f32)) {
-    debug_assert_eq!(V::N, 32);
-    let blocks = cols / 32;
-    let row_bytes = blocks * V::BYTES;
-    assert!(w.len() >= rows.end * row_bytes && xq.len() == blocks.div_ceil(2));
-    let (full, odd) = (blocks / 2, blocks % 2 == 1);
-    let pair_bytes = 2 * V::BYTES;
-    let idx = scale_index(V::LAYOUT);
+    assert!(cols % V::N == 0 && (V::N == 32 || V::N % 64 == 0));
+    let row_bytes = cols / V::N * V::BYTES;
+    let odd = cols % 64 == 32;
+    assert!(w.len() >= rows.end * row_bytes && xq.len() == cols.div_ceil(64));
     let mut r = rows.start;
     while r + 4 <= rows.end {
-        let base = w.as_ptr().add(r * row_bytes);
-        let mut acc = [_mm512_setzero_ps(); 4];
-        let mut macc = [_mm_setzero_ps(); 4];
-        for p in 0..full {
-            for i in 0..4 {
-                pair_dot::<V>(base.add(i * row_bytes + p * pair_bytes), true, &xq[p], idx, &mut acc[i], &mut macc[i]);
-            }
-        }
-        if odd {
-            for i in 0..4 {
-                pair_dot::<V>(base.add(i * row_bytes + full * pair_bytes), false, &xq[full], idx, &mut acc[i], &mut macc[i]);
-            }
-        }
-        for i in 0..4 {
-            y(r + i, finish(acc[i], macc[i]));
+        let out = rows_dot::<V, 4>(w.as_ptr().add(r * row_bytes), row_bytes, xq, odd);
+        for (i, v) in out.into_iter().enumerate() {
+            y(r + i, v);
         }
         r += 4;
     }
     for r in r..rows.end {
-        let base = w.as_ptr().add(r * row_bytes);
-        let (mut acc, mut macc) = (_mm512_setzero_ps(), _mm_setzero_ps());
-        for p in 0..full {
-            pair_dot::<V>(base.add(p * pair_bytes), true, &xq[p], idx, &mut acc, &mut macc);
-        }
-        if odd {
-            pair_dot::<V>(base.add(full * pair_bytes), false, &xq[full], idx, &mut acc, &mut macc);
-        }
-        y(r, finish(acc, macc));
+        y(r, rows_dot::<V, 1>(w.as_ptr().add(r * row_bytes), row_bytes, xq, odd)[0]);
     }
 }
 
@@ -323,7 +437,7 @@ mod tests {
         let x: Vec<f32> = (0..cols).map(|i| rnd() * if i % 7 == 0 { 5.0 } else { 1.0 }).collect();
         let w = quantize_rows::<V>(&wf, rows, cols);
         let mut wd = vec![0f32; rows * cols];
-        for (blk, o) in w.chunks_exact(V::BYTES).zip(wd.chunks_exact_mut(32)) {
+        for (blk, o) in w.chunks_exact(V::BYTES).zip(wd.chunks_exact_mut(V::N)) {
             V::dequant(blk, o);
         }
         let mut xq = Vec::new();
@@ -354,6 +468,10 @@ mod tests {
         let dt = match V::BYTES {
             18 => GgmlDType::Q4_0,
             20 => GgmlDType::Q4_1,
+            22 => GgmlDType::Q5_0,
+            24 => GgmlDType::Q5_1,
+            144 => GgmlDType::Q4K,
+            210 => GgmlDType::Q6K,
             _ => GgmlDType::Q8_0,
         };
         let t = candle_core::Tensor::from_slice(wf, (rows, cols), &candle_core::Device::Cpu).unwrap();
@@ -371,6 +489,26 @@ mod tests {
     fn q4_0_within_int8_rounding_bound() {
         check::<formats::Q4_0>(576);
         check::<formats::Q4_0>(96);
+    }
+
+    #[test]
+    fn q5_within_int8_rounding_bound() {
+        check::<formats::Q5_0>(576);
+        check::<formats::Q5_0>(96);
+        check::<formats::Q5_1>(576);
+        check::<formats::Q5_1>(96);
+    }
+
+    #[test]
+    fn q4_k_within_int8_rounding_bound() {
+        check::<formats::Q4K>(512);
+        check::<formats::Q4K>(1536);
+    }
+
+    #[test]
+    fn q6_k_within_int8_rounding_bound() {
+        check::<formats::Q6K>(512);
+        check::<formats::Q6K>(1536);
     }
 
     #[test]

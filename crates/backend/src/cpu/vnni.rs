@@ -72,6 +72,8 @@ pub trait Vnni: Block {
     const LAYOUT: Layout;
     /// The offset k added to signed weights to make them unsigned.
     const OFFSET: i32;
+    /// Whether w = d·q + m has a min term (else the kernel skips it).
+    const MIN: bool;
     /// Pair `p` of the weight block at `b` (N = 256; for N = 32 `p` is 0 and the pair is the
     /// block at `b` and, if `two`, the next one): 64 u8 weights in `LAYOUT`, each i32 lane's
     /// weight scale (in the lane order of `vpdpbusd`'s sums), and `[_, m0, _, m1]`, the min
@@ -124,6 +126,7 @@ unsafe fn per_lane(layout: Layout, dm: __m128) -> __m512 {
 impl Vnni for formats::Q4_0 {
     const LAYOUT: Layout = Layout::Nibbles;
     const OFFSET: i32 = 8;
+    const MIN: bool = false;
     #[inline(always)]
     unsafe fn load_pair(b: *const u8, _p: usize, two: bool) -> (__m512i, __m512, __m128) {
         let b1 = b.add(Self::BYTES);
@@ -136,6 +139,7 @@ impl Vnni for formats::Q4_0 {
 impl Vnni for formats::Q4_1 {
     const LAYOUT: Layout = Layout::Nibbles;
     const OFFSET: i32 = 0;
+    const MIN: bool = true;
     #[inline(always)]
     unsafe fn load_pair(b: *const u8, _p: usize, two: bool) -> (__m512i, __m512, __m128) {
         let b1 = b.add(Self::BYTES);
@@ -160,6 +164,7 @@ unsafe fn q5_pair(b: *const u8, qh: usize, qs: usize, bytes: usize, two: bool) -
 impl Vnni for formats::Q5_0 {
     const LAYOUT: Layout = Layout::Nibbles;
     const OFFSET: i32 = 16;
+    const MIN: bool = false;
     #[inline(always)]
     unsafe fn load_pair(b: *const u8, _p: usize, two: bool) -> (__m512i, __m512, __m128) {
         let d1 = if two { u16_at(b.add(Self::BYTES)) } else { 0 };
@@ -171,6 +176,7 @@ impl Vnni for formats::Q5_0 {
 impl Vnni for formats::Q5_1 {
     const LAYOUT: Layout = Layout::Nibbles;
     const OFFSET: i32 = 0;
+    const MIN: bool = true;
     #[inline(always)]
     unsafe fn load_pair(b: *const u8, _p: usize, two: bool) -> (__m512i, __m512, __m128) {
         let dm1 = if two { u32_at(b.add(Self::BYTES)) } else { 0 };
@@ -182,6 +188,7 @@ impl Vnni for formats::Q5_1 {
 impl Vnni for formats::Q8_0 {
     const LAYOUT: Layout = Layout::Natural;
     const OFFSET: i32 = 128;
+    const MIN: bool = false;
     #[inline(always)]
     unsafe fn load_pair(b: *const u8, _p: usize, two: bool) -> (__m512i, __m512, __m128) {
         let b1 = b.add(Self::BYTES);
@@ -202,6 +209,7 @@ impl Vnni for formats::Q8_0 {
 impl Vnni for formats::Q4K {
     const LAYOUT: Layout = Layout::Natural;
     const OFFSET: i32 = 0;
+    const MIN: bool = true;
     /// Pair p is the 32 bytes of group p: low nibbles are sub-block 2p, high ones 2p + 1, each
     /// with a 6-bit scale and min: w = d·sc·q − dmin·m.
     #[inline(always)]
@@ -232,6 +240,7 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
 impl Vnni for formats::Q6K {
     const LAYOUT: Layout = Layout::Natural;
     const OFFSET: i32 = 32;
+    const MIN: bool = false;
     /// Pair p is quadrants 2(p%2) and 2(p%2)+1 of half p/2: 4 low bits from a nibble of ql
     /// (low nibbles for the first quadrant pair, high for the second), 2 high bits from qh;
     /// an i8 scale per 16 values, so four per pair: w = d·sc·(q − 32).
@@ -345,7 +354,9 @@ unsafe fn pair_dot<V: Vnni>(w: *const u8, p: usize, two: bool, xp: &QPair, acc: 
     let isum = _mm512_dpbusd_epi32(corr, wq, xq);
     let scale = _mm512_mul_ps(dw, _mm512_load_ps(xp.dx.as_ptr()));
     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
-    *macc = _mm_fmadd_ps(m, _mm_load_ps(xp.s.as_ptr()), *macc);
+    if V::MIN {
+        *macc = _mm_fmadd_ps(m, _mm_load_ps(xp.s.as_ptr()), *macc);
+    }
 }
 
 #[inline(always)]

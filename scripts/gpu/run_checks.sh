@@ -24,5 +24,5 @@ python scripts/gpu/checks.py "$W/bin" "$W/models" "$OUT" "$@" > "$OUT/checks.log
 grep -v "Loading weights\|^bench .*: done" "$OUT/checks.log" | tail -20
 if [ "${PROFILE:-1}" = 1 ]; then
   echo "== kernel profile"
-  bash scripts/gpu/profile.sh --no-make smollm2-135m llama-3.1-8b 2>&1 | tail -42
+  bash scripts/gpu/profile.sh --no-make ${PROFILE_MODELS:-smollm2-135m llama-3.1-8b} 2>&1 | tail -42
 fi

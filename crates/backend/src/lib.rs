@@ -12,6 +12,7 @@ pub mod linear;
 pub mod norm;
 pub mod ops;
 pub mod rope;
+pub mod shard;
 
 pub use attention::{attend, AttentionParams};
 pub use candle_core::{DType, Device, Tensor};

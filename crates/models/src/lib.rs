@@ -11,6 +11,7 @@ mod model;
 pub mod paths;
 pub mod qwen2;
 pub mod registry;
+pub mod tensor_parallel;
 
 pub use config::{GenerationConfig, HfConfig};
 pub use loader::gguf::GgufFile;

@@ -33,6 +33,9 @@ pub struct Args {
     /// (GPUs); FERROLM_CUDA_GRAPH=0 keeps the static step but runs it eagerly.
     #[arg(long)]
     no_static: bool,
+    /// Split the model over N ranks (see `ferrolm serve --tensor-parallel`).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    tensor_parallel: u32,
 }
 
 const TEXT: &str = "The history of the printing press is the history of how ideas learned to travel. \
@@ -43,7 +46,8 @@ than two hundred cities, and millions of volumes were in circulation. ";
 
 pub fn run(args: Args) -> CliResult<()> {
     let load_start = Instant::now();
-    let b = bundle::load(args.model.as_deref(), &args.device).map_err(CliError::usage)?;
+    let b = bundle::load_parallel(args.model.as_deref(), &args.device, args.tensor_parallel as usize)
+        .map_err(CliError::usage)?;
     let load_s = load_start.elapsed().as_secs_f64();
     let prompt = match &args.prompt_ids_file {
         Some(f) => read_ids(f)?,
@@ -78,7 +82,7 @@ pub fn run(args: Args) -> CliResult<()> {
             "prompt_tokens": prompt.len(), "decode_tokens": args.decode_tokens, "runs": args.runs,
             "prefill_tps": p, "decode_tps": d, "ttft_ms": t, "peak_rss_mb": rss,
             "prefill_runs": prefill, "decode_runs": decode, "weight_bytes": model.info().weight_bytes,
-            "device": format!("{:?}", model.device()),
+            "device": format!("{:?}", model.device()), "tensor_parallel": args.tensor_parallel,
             "decode_path": last.path, "decoded_ids": last.ids,
         });
         println!("{obj}");

@@ -90,6 +90,10 @@ pub struct Args {
     quantized_kv_start: usize,
     #[arg(long)]
     pipeline: bool,
+    /// Split the model over N ranks (llama family): N consecutive GPUs from --device, or N
+    /// simulated ranks on the CPU with `--device cpu`.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    tensor_parallel: u32,
 }
 
 const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + \
@@ -151,7 +155,8 @@ impl Args {
 pub fn run(args: Args) -> CliResult<()> {
     let start = Instant::now();
     args.refuse_unsupported()?;
-    let mut bundle = bundle::load(args.model.as_deref(), &args.device).map_err(CliError::usage)?;
+    let mut bundle = bundle::load_parallel(args.model.as_deref(), &args.device, args.tensor_parallel as usize)
+        .map_err(CliError::usage)?;
     let sampling = args.sampling(&bundle.generation)?;
     if let Some(src) = args.template_override() {
         let t = &bundle.tokenizer;

@@ -26,6 +26,13 @@ pub struct Bundle {
 
 /// Loads `path` (or the default model) on `device` (`auto`, `cpu`, `cuda[:N]`).
 pub fn load(path: Option<&Path>, device: &str) -> Result<Bundle, BundleError> {
+    load_parallel(path, device, 1)
+}
+
+/// `load` with the model split over `tensor_parallel` ranks (llama family): `cuda[:N]` gives
+/// ranks on consecutive GPUs from N, `cpu` simulates the ranks on the CPU. The all-reduce is
+/// currently a gather-sum on rank 0 (see `ferrolm_models::tensor_parallel`).
+pub fn load_parallel(path: Option<&Path>, device: &str, tensor_parallel: usize) -> Result<Bundle, BundleError> {
     let path = path
         .map(Path::to_path_buf)
         .unwrap_or_else(paths::default_model_path);
@@ -35,7 +42,7 @@ pub fn load(path: Option<&Path>, device: &str) -> Result<Bundle, BundleError> {
         )),
         _ => BundleError(e.to_string()),
     })?;
-    let device = parse_device(device).map_err(|e| BundleError(e.to_string()))?;
+    let devices = rank_devices(device, tensor_parallel.max(1))?;
     let tokenizer = match &source {
         ModelSource::Gguf(f) => {
             TokenizerSpec::from_gguf_metadata(f.metadata()).and_then(|s| Tokenizer::from_spec(&s))
@@ -43,7 +50,13 @@ pub fn load(path: Option<&Path>, device: &str) -> Result<Bundle, BundleError> {
         ModelSource::HfDir(m) => Tokenizer::from_hf_dir(m.dir()),
     }
     .map_err(|e| BundleError(format!("{}: tokenizer: {e}", path.display())))?;
-    let model = ferrolm_models::load(&source, &device).map_err(|e| BundleError(e.to_string()))?;
+    let model: Box<dyn ferrolm_models::CausalLm> = match devices.len() {
+        1 => ferrolm_models::load(&source, &devices[0]).map_err(|e| BundleError(e.to_string()))?,
+        _ => Box::new(
+            ferrolm_models::tensor_parallel::load(&source, &devices, Box::new(ferrolm_models::tensor_parallel::GatherSum))
+                .map_err(|e| BundleError(e.to_string()))?,
+        ),
+    };
     let template = ChatTemplate::from_tokenizer(&tokenizer).ok();
     let generation = match &source {
         ModelSource::HfDir(m) => m.generation.clone(),
@@ -118,5 +131,21 @@ impl Bundle {
         let mut ids = self.tokenizer.encode("\n", false).unwrap_or_default();
         ids.extend(&self.eos_ids);
         ids
+    }
+}
+
+/// The devices of `n` ranks: `cpu` n times, or n consecutive GPUs from the one `spec` names.
+fn rank_devices(spec: &str, n: usize) -> Result<Vec<candle_core::Device>, BundleError> {
+    let err = |e: candle_core::Error| BundleError(e.to_string());
+    let first = parse_device(spec).map_err(err)?;
+    if n == 1 {
+        return Ok(vec![first]);
+    }
+    match first {
+        candle_core::Device::Cpu => Ok(vec![candle_core::Device::Cpu; n]),
+        _ => {
+            let base = spec.strip_prefix("cuda:").and_then(|i| i.parse::<usize>().ok()).unwrap_or(0);
+            (base..base + n).map(|i| ferrolm_backend::device::new_cuda(i).map_err(err)).collect()
+        }
     }
 }

@@ -135,7 +135,7 @@ def benches():
             continue
         quick = os.environ.get("QUICK") == "1"  # a short run: no transformers, no regular path
         f = ferrolm_bench(name, 2048, 128, 3)
-        eager = ferrolm_bench(name, 2048, 128, 1, "eager-static")
+        eager = None if quick else ferrolm_bench(name, 2048, 128, 1, "eager-static")
         regular = None if quick else ferrolm_bench(name, 2048, 128, 1, "regular")
         h = {"prefill_tps": float("nan"), "decode_tps": float("nan")} if quick else hf_bench(name, 2048, 128, 2)
         row = {"ferrolm": f, "eager_static": eager, "regular": regular, "transformers": h}

@@ -179,8 +179,12 @@ pub fn run(args: Args) -> CliResult<()> {
     let model_name = bundle.path.display().to_string();
     let engine = EngineHandle::spawn(Arc::new(bundle), EngineConfig { queue_capacity: args.queue_size.max(1) });
     let state = Arc::new(AppState::new(engine, config, template_source.as_deref()));
+    // HTTP work per token is small (one SSE chunk), but on a machine with few cores every worker
+    // that wakes takes a core from the compute threads: measured 4% of decode on 2 cores with two
+    // workers (bench/results/server.md). One suffices there; the engine has its own thread.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(if cores <= 4 { 1 } else { 2 })
         .thread_name("ferrolm-http")
         .enable_all()
         .build()

@@ -7,7 +7,9 @@
 //! a device word ([`Pos`]), so a step captured once replays at every position.
 //!
 //! Debug levers, read once: `FERROLM_CUDA_KERNELS=0` turns every ferrolm kernel off (candle ops
-//! only), `FERROLM_CUDA_GEMV=0` only the batch-1 matrix-vector kernel (cuBLAS instead).
+//! only), `FERROLM_CUDA_GEMV=0` only the batch-1 matrix-vector kernel (cuBLAS instead),
+//! `FERROLM_CUDA_GEMV=smem` picks its shared-memory variant, `FERROLM_CUDA_SOFTMAX=1` turns on
+//! the fused masked softmax for prefill attention (both not yet validated on a GPU).
 
 use candle_core::cuda_backend::cudarc::driver::{sys, DevicePtr};
 use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice};
@@ -52,6 +54,9 @@ pub struct Policy {
     pub gemv: bool,
     /// `FERROLM_CUDA_GEMV=smem`: the matrix-vector kernel that stages x in shared memory.
     pub gemv_smem: bool,
+    /// `FERROLM_CUDA_SOFTMAX=1`: prefill attention through the fused masked-softmax kernel.
+    /// Opt-in until it has passed the self-checks on a GPU (written after the last GPU run).
+    pub masked_softmax: bool,
 }
 
 pub fn policy() -> Policy {
@@ -60,7 +65,8 @@ pub fn policy() -> Policy {
         let off = |k: &str| std::env::var(k).is_ok_and(|v| v == "0");
         let kernels = !off("FERROLM_CUDA_KERNELS");
         let smem = std::env::var("FERROLM_CUDA_GEMV").is_ok_and(|v| v == "smem");
-        Policy { kernels, gemv: kernels && !off("FERROLM_CUDA_GEMV"), gemv_smem: kernels && smem }
+        let softmax = std::env::var("FERROLM_CUDA_SOFTMAX").is_ok_and(|v| v == "1");
+        Policy { kernels, gemv: kernels && !off("FERROLM_CUDA_GEMV"), gemv_smem: kernels && smem, masked_softmax: kernels && softmax }
     })
 }
 

@@ -241,6 +241,9 @@ pub fn increment(p: &Tensor) -> Result<bool> {
 /// index fastest-varying last: row r is query `r % T`) into probabilities of the same dtype,
 /// scaled and soft-capped as `p` says, in one pass (no mask tensor, no f32 copies).
 pub fn masked_softmax(scores: &Tensor, t: usize, pos: crate::attention::Positions, p: &crate::attention::AttentionParams) -> Result<Option<Tensor>> {
+    if !policy().masked_softmax {
+        return Ok(None);
+    }
     let Some((dev, sfx)) = on(scores) else { return Ok(None) };
     let s = *scores.dims().last().unwrap_or(&0);
     if s == 0 || t == 0 || scores.elem_count() % (s * t) != 0 {

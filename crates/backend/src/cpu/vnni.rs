@@ -365,6 +365,23 @@ unsafe fn finish(acc: __m512, macc: __m128) -> f32 {
     _mm512_reduce_add_ps(acc) + _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps::<1>(m, m)))
 }
 
+/// How far ahead of the rows being read to prefetch: the rows of the next group (`group`
+/// bytes on), at least `FERROLM_PREFETCH` bytes (default 1024; 0 turns it off). A decode step reads
+/// each weight once, so the kernel waits on memory; the hardware prefetcher alone does not keep
+/// up with four interleaved row streams.
+#[inline(always)]
+fn prefetch_distance(group: usize) -> usize {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let min = *MIN.get_or_init(|| std::env::var("FERROLM_PREFETCH").ok().and_then(|v| v.parse().ok()).unwrap_or(1024));
+    // 0: the line being read anyway (a no-op prefetch, never an unmapped address).
+    group * min.div_ceil(group)
+}
+
+#[inline(always)]
+unsafe fn prefetch(p: *const u8) {
+    _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+}
+
 /// Adds row `row`'s products with every pair of `xq` into `acc[i]`, `macc[i]` for the `R` rows
 /// at `row + i·row_bytes`, sharing each pair's activation loads.
 #[inline(always)]
@@ -372,10 +389,13 @@ unsafe fn rows_dot<V: Vnni, const R: usize>(row: *const u8, row_bytes: usize, xq
     let mut acc = [_mm512_setzero_ps(); R];
     let mut macc = [_mm_setzero_ps(); R];
     let full = xq.len() - odd as usize;
+    let ahead = prefetch_distance(R * row_bytes);
     if V::N == 32 {
         for p in 0..full {
             for i in 0..R {
-                pair_dot::<V>(row.add(i * row_bytes + 2 * p * V::BYTES), 0, true, &xq[p], &mut acc[i], &mut macc[i]);
+                let at = row.add(i * row_bytes + 2 * p * V::BYTES);
+                prefetch(at.wrapping_add(ahead));
+                pair_dot::<V>(at, 0, true, &xq[p], &mut acc[i], &mut macc[i]);
             }
         }
         if odd {
@@ -388,7 +408,9 @@ unsafe fn rows_dot<V: Vnni, const R: usize>(row: *const u8, row_bytes: usize, xq
         for (blk, pairs) in xq.chunks_exact(per_block).enumerate() {
             for (p, xp) in pairs.iter().enumerate() {
                 for i in 0..R {
-                    pair_dot::<V>(row.add(i * row_bytes + blk * V::BYTES), p, true, xp, &mut acc[i], &mut macc[i]);
+                    let at = row.add(i * row_bytes + blk * V::BYTES);
+                    prefetch(at.wrapping_add(ahead + p * V::BYTES / per_block));
+                    pair_dot::<V>(at, p, true, xp, &mut acc[i], &mut macc[i]);
                 }
             }
         }

@@ -56,18 +56,21 @@ impl Filters {
 
     /// Runs the chain. Draws the XTC coin from `rng` when XTC is on (one draw per step).
     pub fn apply(&self, d: &mut Dist, rng: &mut StepRng) -> Kept {
+        // mlx: `mx.where(uniform(0, 1) > xtc_probability, logits, filtered)`; one draw per step.
+        let xtc_now = self.xtc.as_ref().filter(|x| rng.uniform() as f32 <= x.probability);
         let mut kept = Kept::Floor(f32::NEG_INFINITY);
-        if let Some(p) = self.top_p {
-            kept = top_p(d, p);
+        match (self.top_p, self.top_k) {
+            // top_k keeps at most the k best tokens, so top_p's cut only matters among them
+            // (unless XTC, which renormalizes over the whole nucleus, runs this step).
+            (Some(p), Some(k)) if xtc_now.is_none() => kept = Kept::List(top_p_within_top_k(d, p, k)),
+            (Some(p), _) => kept = top_p(d, p),
+            _ => {}
         }
         if let Some((p, m)) = self.min_p {
             kept = min_p(d, kept, p, m);
         }
-        if let Some(x) = &self.xtc {
-            // mlx: `mx.where(uniform(0, 1) > xtc_probability, logits, filtered)`.
-            if rng.uniform() as f32 <= x.probability {
-                kept = xtc(d, kept, x);
-            }
+        if let Some(x) = xtc_now {
+            kept = xtc(d, kept, x);
         }
         if let Some(k) = self.top_k {
             kept = Kept::List(top_k(d, kept, k));
@@ -102,6 +105,22 @@ pub fn top_p(d: &mut Dist, p: f32) -> Kept {
     }
     let v = nucleus_floor(d, target);
     at_least(d, v)
+}
+
+/// top_p followed (later in the chain) by top_k: the k best tokens (top_k's tie rule), cut by
+/// top_p where its cut falls among them. When their mass stays below the target the nucleus
+/// holds all of them (and more, which top_k would drop): they are kept whole. Costs one pass for
+/// the normalizer instead of a histogram of the whole vocabulary.
+fn top_p_within_top_k(d: &mut Dist, p: f32, k: usize) -> Vec<Cand> {
+    let target = p as f64 * d.sums().1;
+    let max = d.max;
+    let best = select::top_n(&d.view, &d.cmax, k, Ties::LowIds);
+    let mass: f64 = best.iter().map(|c| fastmath::weight(c.x, max, 1.0) as f64).sum();
+    if mass < target {
+        return best;
+    }
+    let v = select::mass_threshold(&best, max, target);
+    best.into_iter().filter(|c| c.x >= v).collect()
 }
 
 /// The top-p threshold for a wide nucleus: a histogram of the mass by distance below the max

@@ -10,7 +10,9 @@ MSG = [{"role": "user", "content": "Write one sentence about the sea."}]
 def chat(client, **kw):
     kw.setdefault("model", "default_model")
     kw.setdefault("messages", MSG)
-    kw.setdefault("max_tokens", 24)
+    # Short enough that greedy decoding reaches it before EOS with f32 and with 8-bit CPU
+    # activations alike (the default decode; its answer ends after 21 tokens).
+    kw.setdefault("max_tokens", 16)
     return client.chat.completions.create(**kw)
 
 
@@ -32,8 +34,8 @@ def test_chat_non_streaming(client):
     assert c.finish_reason == "length"
     u = r.usage
     assert u.prompt_tokens == 37
-    assert u.completion_tokens == 24
-    assert u.total_tokens == 61
+    assert u.completion_tokens == 16
+    assert u.total_tokens == 53
     assert u.prompt_tokens_details.cached_tokens == 0
 
 
@@ -57,14 +59,14 @@ def test_streaming_matches_non_streaming(client):
     assert last.choices[0].finish_reason == "length"
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
     # Without include_usage the final chunk carries the usage.
-    assert last.usage.completion_tokens == 24
+    assert last.usage.completion_tokens == 16
 
 
 def test_stream_include_usage_sends_a_usage_chunk(client):
     chunks, _ = stream_chat(client, stream_options={"include_usage": True})
     assert chunks[-1].choices == []
     assert chunks[-1].usage.prompt_tokens == 37
-    assert chunks[-1].usage.completion_tokens == 24
+    assert chunks[-1].usage.completion_tokens == 16
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-2].usage is None
 
@@ -120,15 +122,16 @@ def spanning_stop(pieces):
 
 
 def test_stop_sequence_spanning_tokens(client):
-    whole, pieces = token_texts(client, max_tokens=30)
+    # 16 tokens: the answer must not reach EOS (whose bytes are in logprobs but not in the text).
+    whole, pieces = token_texts(client, max_tokens=16)
     assert "".join(pieces) == whole
     stop = spanning_stop(pieces)
     expected = whole[:whole.index(stop)]
-    r = chat(client, max_tokens=30, stop=[stop, "never-appears"])
+    r = chat(client, max_tokens=16, stop=[stop, "never-appears"])
     assert r.choices[0].message.content == expected
     assert r.choices[0].finish_reason == "stop"
-    assert r.usage.completion_tokens < 30
-    chunks, text = stream_chat(client, max_tokens=30, stop=stop)
+    assert r.usage.completion_tokens < 16
+    chunks, text = stream_chat(client, max_tokens=16, stop=stop)
     assert text == expected
     assert stop not in "".join(json.dumps(c.model_dump()) for c in chunks)
     assert chunks[-1].choices[0].finish_reason == "stop"

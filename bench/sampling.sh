@@ -10,7 +10,7 @@ cargo build -q --release -p ferrolm-cli
 cargo build -q --release -p ferrolm-sample --example sample_bench
 step_ms() {  # median decode step in ms
   target/release/ferrolm bench --model "$1" --prompt-tokens 128 --decode-tokens 64 --runs 5 --device cpu --json |
-    python3 -c 'import json,sys; print(1e3 / json.loads(sys.stdin.read())["decode_tps"])'
+    python3 -c 'import json,sys; print(round(1e3 / json.loads(sys.stdin.read())["decode_tps"], 3))'
 }
 small=$(step_ms "$MODELS/SmolLM2-135M-Instruct.Q4_1.gguf")
 large=$(step_ms "$MODELS/gemma-3-270m-Q4_K_M.gguf")

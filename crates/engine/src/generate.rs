@@ -97,19 +97,27 @@ pub fn generate(
         if on_token(event) == Flow::Stop {
             break None;
         }
-        if input.eos_ids.contains(&token) {
-            break Some(FinishReason::Stop);
-        }
-        if stats.generated_tokens >= input.params.max_tokens {
-            break Some(FinishReason::Length);
-        }
-        if input.cancel.is_cancelled() {
-            break Some(FinishReason::Cancelled);
+        if let Some(cause) = finish_cause(&input, token, stats.generated_tokens) {
+            break Some(cause);
         }
         let logits = step(model, cache, &[token])?;
         next = sampler.sample(&logits, &history)?;
     };
     Ok(finish(stats, &clock, cache, &history, reason))
+}
+
+/// Why generation ends after delivering `token` as the `generated`-th token, if it does: EOS
+/// (or a stop id), the length limit, or cancellation, in that order.
+fn finish_cause(input: &GenerateInput<'_>, token: TokenId, generated: usize) -> Option<FinishReason> {
+    if input.eos_ids.contains(&token) {
+        Some(FinishReason::Stop)
+    } else if generated >= input.params.max_tokens {
+        Some(FinishReason::Length)
+    } else if input.cancel.is_cancelled() {
+        Some(FinishReason::Cancelled)
+    } else {
+        None
+    }
 }
 
 thread_local! {
@@ -144,15 +152,7 @@ fn captured_greedy(
         if on_token(event) == Flow::Stop {
             return false;
         }
-        reason.set(if input.eos_ids.contains(&token) {
-            Some(FinishReason::Stop)
-        } else if stats.generated_tokens >= input.params.max_tokens {
-            Some(FinishReason::Length)
-        } else if input.cancel.is_cancelled() {
-            Some(FinishReason::Cancelled)
-        } else {
-            None
-        });
+        reason.set(finish_cause(input, token, stats.generated_tokens));
         reason.get().is_none()
     };
     if !deliver(first, history, stats) {

@@ -3,24 +3,14 @@
 //! forwarded, early stops, and reuse of one decoder across generations.
 
 mod common;
+#[path = "common/parity.rs"]
+mod parity;
 
 use common::*;
 use ferrolm_core::{CancelToken, GenerateParams};
 use ferrolm_engine::{generate, DecodePath, Flow, GenerateInput, GraphDecoder};
 use ferrolm_models::{CausalLm, SeqInput};
-
-fn regular_greedy(model: &dyn CausalLm, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut cache = model.make_cache();
-    let params = GenerateParams { max_tokens: n, ..Default::default() };
-    let input = GenerateInput { prompt, params: &params, eos_ids: &[], cancel: &CancelToken::new() };
-    let mut out = Vec::new();
-    generate(model, &mut cache, input, &mut Greedy, None, &mut |e| {
-        out.push(e.token);
-        Flow::Continue
-    })
-    .unwrap();
-    out
-}
+use parity::our_greedy;
 
 /// Prefill, first token by argmax, then `n - 1` more through the decoder (stopping after `stop_at`).
 fn static_greedy(model: &dyn CausalLm, dec: &mut GraphDecoder, prompt: &[u32], n: usize, stop_at: usize) -> (Vec<u32>, usize) {
@@ -48,7 +38,7 @@ fn static_decode_equals_regular_decode_on_the_default_model() {
     for name in ["chat_capital", "raw_code"] {
         let p = fixture.prompts.iter().find(|p| p.name == name).unwrap();
         let n = 24;
-        let want = regular_greedy(model.as_ref(), &p.prompt_ids, n);
+        let want = our_greedy(model.as_ref(), &p.prompt_ids, n, p.prompt_ids.len());
         let (got, offset) = static_greedy(model.as_ref(), &mut dec, &p.prompt_ids, n, usize::MAX);
         assert_eq!(got, want, "{name}");
         // The cache holds the prompt, the first token and all delivered tokens but the last.
@@ -68,7 +58,7 @@ fn generate_uses_the_static_step_for_plain_greedy_requests() {
     let Some(model) = open_model("SmolLM2-135M-Instruct.Q4_1.gguf") else { return };
     let fixture = load_fixture("SmolLM2-135M-Instruct.Q4_1.json");
     let p = fixture.prompts.iter().find(|p| p.name == "chat_capital").unwrap();
-    let want = regular_greedy(model.as_ref(), &p.prompt_ids, 12);
+    let want = our_greedy(model.as_ref(), &p.prompt_ids, 12, p.prompt_ids.len());
     ferrolm_engine::graph_decode::force_static_decode(true);
     let run = |max_tokens: usize, eos: &[u32]| {
         let mut cache = model.make_cache();

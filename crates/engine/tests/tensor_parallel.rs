@@ -4,42 +4,16 @@
 //! heads is refused with a message naming them.
 
 mod common;
+#[path = "common/parity.rs"]
+mod parity;
 
 use candle_core::Device;
 use common::*;
-use ferrolm_core::{CancelToken, GenerateParams};
-use ferrolm_engine::{generate, Flow, GenerateInput};
 use ferrolm_models::tensor_parallel::{self, GatherSum};
-use ferrolm_models::{paths, CausalLm, ModelSource, SeqInput};
+use ferrolm_models::{paths, ModelSource};
+use parity::{logits_along, our_greedy};
 
 const FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
-/// Logits after the prompt's prefill and after each of `steps` teacher-forced decode steps.
-fn logits_along(model: &dyn CausalLm, prompt: &[u32], steps: &[u32]) -> Vec<Vec<f32>> {
-    let mut cache = model.make_cache();
-    let mut out = Vec::new();
-    let mut feed: Vec<u32> = prompt.to_vec();
-    for &next in steps.iter().chain([&0]) {
-        let h = model.forward_hidden(&mut [SeqInput { tokens: &feed, cache: &mut cache }]).unwrap();
-        out.push(model.project_logits(&h).unwrap().squeeze(0).unwrap().to_vec1().unwrap());
-        feed = vec![next];
-    }
-    out.pop();
-    out
-}
-
-fn greedy(model: &dyn CausalLm, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut cache = model.make_cache();
-    let params = GenerateParams { max_tokens: n, ..Default::default() };
-    let input = GenerateInput { prompt, params: &params, eos_ids: &[], cancel: &CancelToken::new() };
-    let mut out = Vec::new();
-    generate(model, &mut cache, input, &mut Greedy, None, &mut |e| {
-        out.push(e.token);
-        Flow::Continue
-    })
-    .unwrap();
-    out
-}
 
 #[test]
 fn split_over_ranks_gives_the_unsharded_logits() {
@@ -49,16 +23,17 @@ fn split_over_ranks_gives_the_unsharded_logits() {
     let fixture = load_fixture("SmolLM2-135M-Instruct.Q4_1.json");
     let p = fixture.prompts.iter().find(|p| p.name == "chat_code").unwrap();
     let steps = &p.greedy_ids[..6];
-    let want = logits_along(whole.as_ref(), &p.prompt_ids, steps);
+    let (n, chunk) = (steps.len(), p.prompt_ids.len());
+    let want = logits_along(whole.as_ref(), &p.prompt_ids, steps, n, chunk);
     for world in [1, 3] {
         let devices = vec![Device::Cpu; world];
         let tp = tensor_parallel::load(&source, &devices, Box::new(GatherSum)).unwrap();
-        let got = logits_along(&tp, &p.prompt_ids, steps);
+        let got = logits_along(&tp, &p.prompt_ids, steps, n, chunk);
         let max = got.iter().flatten().zip(want.iter().flatten()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         eprintln!("world {world}: max |Δlogit| {max:.2e} over {} steps", got.len());
         // Only the order of the partial sums changes (f32 rounding over 30 layers).
         assert!(max < 1e-3, "world {world}: {max}");
-        assert_eq!(greedy(&tp, &p.prompt_ids, 8), greedy(whole.as_ref(), &p.prompt_ids, 8), "world {world}");
+        assert_eq!(our_greedy(&tp, &p.prompt_ids, 8, chunk), our_greedy(whole.as_ref(), &p.prompt_ids, 8, chunk), "world {world}");
     }
 }
 

@@ -75,6 +75,28 @@ impl LlamaConfig {
     }
 }
 
+impl LlamaConfig {
+    /// The facts the engine needs, with the weight bytes a decode step reads.
+    pub fn model_info(&self, weight_bytes: usize) -> ModelInfo {
+        ModelInfo {
+            architecture: self.architecture.clone(),
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            num_layers: self.num_hidden_layers,
+            context_length: self.max_position_embeddings,
+            weight_bytes,
+        }
+    }
+}
+
+/// The output projection: `output.weight`, or the token embeddings when they are tied.
+pub(crate) fn output_head(src: &dyn WeightSource, embed_w: &ferrolm_backend::Weight, device: &Device) -> crate::Result<Linear> {
+    Ok(match src.has("output.weight") {
+        true => Linear::new(&src.weight("output.weight")?, None, device)?,
+        false => Linear::new(embed_w, None, device)?,
+    })
+}
+
 struct Layer {
     attn_norm: RmsNorm,
     attn: SelfAttention,
@@ -106,23 +128,13 @@ impl Llama {
             .map(|i| load_layer(&cfg, src, device, i, &rope))
             .collect::<crate::Result<Vec<_>>>()?;
         let embed_w = src.weight("token_embd.weight")?;
-        let lm_head = match src.has("output.weight") {
-            true => Linear::new(&src.weight("output.weight")?, None, device)?,
-            false => Linear::new(&embed_w, None, device)?,
-        };
+        let lm_head = output_head(src, &embed_w, device)?;
         let weight_bytes = layers
             .iter()
             .map(|l| l.attn.weight_bytes() + l.mlp.weight_bytes())
             .sum::<usize>()
             + lm_head.weight_bytes();
-        let info = ModelInfo {
-            architecture: cfg.architecture.clone(),
-            vocab_size: cfg.vocab_size,
-            hidden_size: cfg.hidden_size,
-            num_layers: cfg.num_hidden_layers,
-            context_length: cfg.max_position_embeddings,
-            weight_bytes,
-        };
+        let info = cfg.model_info(weight_bytes);
         Ok(Self {
             info,
             embed: Embedding::new(embed_w, None, device)?,

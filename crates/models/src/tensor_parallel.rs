@@ -87,20 +87,10 @@ impl TensorParallelLlama {
             .collect::<crate::Result<Vec<_>>>()?;
         let dev0 = &devices[0];
         let embed_w = src.weight("token_embd.weight")?;
-        let lm_head = match src.has("output.weight") {
-            true => Linear::new(&src.weight("output.weight")?, None, dev0)?,
-            false => Linear::new(&embed_w, None, dev0)?,
-        };
+        let lm_head = crate::llama::output_head(src, &embed_w, dev0)?;
         let weight_bytes = ranks[0].layers.iter().map(|l| l.attn.weight_bytes() + l.mlp.weight_bytes()).sum::<usize>()
             + lm_head.weight_bytes();
-        let info = ModelInfo {
-            architecture: cfg.architecture.clone(),
-            vocab_size: cfg.vocab_size,
-            hidden_size: cfg.hidden_size,
-            num_layers: cfg.num_hidden_layers,
-            context_length: cfg.max_position_embeddings,
-            weight_bytes,
-        };
+        let info = cfg.model_info(weight_bytes);
         Ok(Self {
             info,
             embed: Embedding::new(embed_w, None, dev0)?,

@@ -213,7 +213,7 @@ impl Block for Q8_0 {
 
 /// The 6-bit scale and min of sub-block `j` of a Q4_K super-block (ggml's get_scale_min_k4).
 #[inline(always)]
-fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
     if j < 4 {
         ((q[j] & 63) as f32, (q[j + 4] & 63) as f32)
     } else {

@@ -18,7 +18,7 @@
 
 #![cfg(target_arch = "x86_64")]
 
-use super::formats::{self, Block};
+use super::formats::{self, scale_min_k4, Block};
 use std::arch::x86_64::*;
 
 /// Byte order of a pair of blocks in a zmm (see the module comment).
@@ -222,18 +222,6 @@ impl Vnni for formats::Q4K {
         let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
         let dm = _mm_set_ps(-dmin * m1, d * sc1, -dmin * m0, d * sc0);
         (q, per_lane(Self::LAYOUT, dm), dm)
-    }
-}
-
-/// The 6-bit scale and min of sub-block `j` of a Q4_K super-block (ggml's get_scale_min_k4).
-#[inline(always)]
-fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
-    if j < 4 {
-        ((q[j] & 63) as f32, (q[j + 4] & 63) as f32)
-    } else {
-        let sc = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
-        let m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-        (sc as f32, m as f32)
     }
 }
 

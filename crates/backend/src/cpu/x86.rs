@@ -4,7 +4,7 @@
 
 #![cfg(target_arch = "x86_64")]
 
-use super::formats::{self, Block};
+use super::formats::{self, scale_min_k4, Block};
 use std::arch::x86_64::*;
 
 /// A block format the AVX-512 kernels can dequantize in registers.
@@ -115,17 +115,6 @@ impl Dq16 for formats::Q4K {
         let q = nibbles(b.add(16 + group * 32 + half_of_sub * 16), sub == 1);
         let d = _mm512_set1_ps(half(b) * sc);
         _mm512_fmsub_ps(q, d, _mm512_set1_ps(half(b.add(2)) * m))
-    }
-}
-
-#[inline(always)]
-fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
-    if j < 4 {
-        ((q[j] & 63) as f32, (q[j + 4] & 63) as f32)
-    } else {
-        let sc = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
-        let m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-        (sc as f32, m as f32)
     }
 }
 

@@ -3,6 +3,7 @@
 //! materializes a mask or a score matrix; other devices use a composition of candle ops.
 
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
+use crate::cpu::attn::{self, Call, Kv};
 use crate::cpu::math;
 use crate::cpu::simd::{level, multiversion_plain, MulAdd};
 use crate::cpu::threads::{parallel_ranges, SharedOut};
@@ -113,6 +114,10 @@ impl<'a> KvView<'a> {
         Ok(Self { data: &data[layout.start_offset()..], head_stride: stride[0], token_stride: stride[1] })
     }
 
+    fn kv(&self) -> Kv<'a> {
+        Kv { data: self.data, head_stride: self.head_stride, token_stride: self.token_stride }
+    }
+
     fn row(&self, head: usize, token: usize, d: usize) -> &[f32] {
         let o = head * self.head_stride + token * self.token_stride;
         &self.data[o..o + d]
@@ -139,6 +144,25 @@ impl CustomOp3 for AttendCpu {
         let q = &q[ql.start_offset()..ql.start_offset() + t * hq * d];
         let job = Job { q, k: KvView::new(ks, kl)?, v: KvView::new(vs, vl)?, hq, group: hq / hkv, s, d, op: self };
         let mut out = vec![0f32; t * hq * d];
+        if t >= TILED_MIN_TOKENS {
+            let (pos, window) = (self.pos, self.params.window);
+            let visible = move |i: usize| visible_keys(pos.query_start + i, s, pos, window);
+            let call = Call {
+                q,
+                k: job.k.kv(),
+                v: job.v.kv(),
+                t,
+                hq,
+                hkv,
+                s,
+                d,
+                scale: self.params.scale,
+                softcap: self.params.softcap,
+                visible: &visible,
+            };
+            attn::attend(level(), &call, &mut out);
+            return Ok((CpuStorage::F32(out), Shape::from((t, hq * d))));
+        }
         let shared = SharedOut::new(&mut out);
         let worth = t * hq * s * d > 1 << 14;
         parallel_ranges(t * hq, 1, worth, |rows| {
@@ -151,6 +175,10 @@ impl CustomOp3 for AttendCpu {
         Ok((CpuStorage::F32(out), Shape::from((t, hq * d))))
     }
 }
+
+/// From this many new tokens on, the tiled kernel (`cpu::attn`) runs; below, one query row at
+/// a time.
+const TILED_MIN_TOKENS: usize = 4;
 
 thread_local! {
     static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -246,14 +274,18 @@ mod tests {
     use super::*;
 
     fn check(t: usize, hq: usize, hkv: usize, s: usize, pos: Positions, window: Option<usize>) {
+        check_d(16, t, hq, hkv, s, pos, window, None)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn check_d(d: usize, t: usize, hq: usize, hkv: usize, s: usize, pos: Positions, window: Option<usize>, softcap: Option<f32>) {
         let dev = Device::Cpu;
-        let d = 16;
         let q = Tensor::randn(0f32, 1.0, (t, hq, d), &dev).unwrap();
         // A view into a larger buffer, as the KV cache provides.
         let kbuf = Tensor::randn(0f32, 1.0, (hkv, s + 5, d), &dev).unwrap();
         let vbuf = Tensor::randn(0f32, 1.0, (hkv, s + 5, d), &dev).unwrap();
         let (k, v) = (kbuf.narrow(1, 0, s).unwrap(), vbuf.narrow(1, 0, s).unwrap());
-        let p = AttentionParams { scale: 0.25, window, softcap: None };
+        let p = AttentionParams { scale: 0.25, window, softcap };
         let fused = attend(&q, &k, &v, pos, &p).unwrap();
         let generic = attend_generic(&q, &k, &v, pos, &p).unwrap();
         let diff = (fused - generic).unwrap().abs().unwrap().max_all().unwrap();
@@ -266,5 +298,17 @@ mod tests {
         check(1, 9, 3, 20, Positions { query_start: 19, key_start: 0 }, None);
         check(4, 4, 1, 30, Positions { query_start: 26, key_start: 0 }, Some(8));
         check(3, 4, 4, 10, Positions { query_start: 40, key_start: 33 }, Some(6));
+    }
+
+    /// The tiled prefill kernel (t ≥ TILED_MIN_TOKENS): head sizes that are and are not multiples
+    /// of the panel width, query tiles cut by the causal mask and the window, a chunk after
+    /// earlier cached keys, soft-capping.
+    #[test]
+    fn tiled_prefill_equals_generic() {
+        check_d(64, 37, 9, 3, 37, Positions { query_start: 0, key_start: 0 }, None, None);
+        check_d(64, 13, 9, 3, 50, Positions { query_start: 37, key_start: 0 }, None, None);
+        check_d(256, 21, 4, 1, 21, Positions { query_start: 0, key_start: 0 }, Some(5), None);
+        check_d(80, 40, 4, 2, 70, Positions { query_start: 60, key_start: 30 }, Some(17), Some(3.0));
+        check_d(16, 4, 2, 2, 4, Positions { query_start: 0, key_start: 0 }, None, None);
     }
 }

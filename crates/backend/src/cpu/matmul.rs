@@ -170,6 +170,9 @@ fn run<B: KernelBlock + 'static>(a: &Args) {
     if a.t == 1 && int8_gemv(a, worth) {
         return;
     }
+    if a.t > 1 && int8_gemm(a, worth) {
+        return;
+    }
     if a.t == 1 {
         parallel_ranges(rows, 4, worth, |rows| a.for_parts(rows, |p, rows| gemv_part::<B>(p, rows)));
     } else {
@@ -193,8 +196,7 @@ fn run<B: KernelBlock + 'static>(a: &Args) {
 fn int8_gemv(a: &Args, worth: bool) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        use super::vnni;
-        if a.level != Level::Avx512 || !vnni::available() || a.exact {
+        if !int8_allowed(a) {
             return false;
         }
         match a.m.format {
@@ -214,6 +216,80 @@ fn int8_gemv(a: &Args, worth: bool) -> bool {
         let _ = (a, worth);
         false
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn int8_allowed(a: &Args) -> bool {
+    a.level == Level::Avx512 && super::vnni::available() && !a.exact
+}
+
+/// Prefill with 8-bit activations (`vnni_gemm`), under the same conditions as `int8_gemv`.
+fn int8_gemm(a: &Args, worth: bool) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !int8_allowed(a) {
+            return false;
+        }
+        match a.m.format {
+            Format::Q4_0 => int8_gemm_with::<formats::Q4_0>(a, worth),
+            Format::Q4_1 => int8_gemm_with::<formats::Q4_1>(a, worth),
+            Format::Q5_0 => int8_gemm_with::<formats::Q5_0>(a, worth),
+            Format::Q5_1 => int8_gemm_with::<formats::Q5_1>(a, worth),
+            Format::Q8_0 => int8_gemm_with::<formats::Q8_0>(a, worth),
+            Format::Q4K => int8_gemm_with::<formats::Q4K>(a, worth),
+            Format::Q6K => int8_gemm_with::<formats::Q6K>(a, worth),
+            _ => return false,
+        }
+        true
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (a, worth);
+        false
+    }
+}
+
+/// A pointer to quantized activation rows that threads fill disjointly.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct QRows(*mut super::vnni::QPair);
+// SAFETY: each thread writes only the rows of its own tokens.
+#[cfg(target_arch = "x86_64")]
+unsafe impl Send for QRows {}
+#[cfg(target_arch = "x86_64")]
+unsafe impl Sync for QRows {}
+
+/// Quantizes every token's activations (threads split the tokens), then every thread
+/// multiplies its weight rows with all of them.
+#[cfg(target_arch = "x86_64")]
+fn int8_gemm_with<V: super::vnni::Vnni>(a: &Args, worth: bool) {
+    use super::{vnni, vnni_gemm};
+    let (cols, pairs) = (a.m.cols, a.m.cols.div_ceil(64));
+    QX.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        if buf.len() < a.t * pairs {
+            buf.resize(a.t * pairs, vnni::QPair::ZERO);
+        }
+        let q = QRows(buf.as_mut_ptr());
+        parallel_ranges(a.t, 1, worth, |toks| {
+            let q = q;
+            for tok in toks {
+                // SAFETY: VNNI was detected; token rows are disjoint and inside `buf`.
+                unsafe {
+                    let out = std::slice::from_raw_parts_mut(q.0.add(tok * pairs), pairs);
+                    vnni::quantize_into::<V>(&a.x[tok * cols..(tok + 1) * cols], out)
+                }
+            }
+        });
+        let xq: &[vnni::QPair] = &buf[..a.t * pairs];
+        parallel_ranges(a.m.rows, 4, worth, |rows| {
+            a.for_parts(rows, |p, rows| {
+                // SAFETY: VNNI was detected; `xq` holds x for this format; each thread writes
+                // only its own rows (columns of y) of every token.
+                unsafe { vnni_gemm::gemm::<V>(p.w, p.cols, xq, p.t, rows, p.y.ptr().add(p.out_start), p.out_rows) }
+            })
+        });
+    });
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -458,7 +534,7 @@ mod int8_tests {
     /// `vnni::tests`), so a row's product moves by at most Σ_b amax_b·(1/254 + 1/2048)·Σ_{i∈b}
     /// |w_i|; the check is that bound plus f32 slack. With no VNNI both paths are f32 and equal.
     #[test]
-    fn int8_decode_within_rounding_bound_of_exact() -> candle_core::Result<()> {
+    fn int8_decode_and_prefill_within_rounding_bound_of_exact() -> candle_core::Result<()> {
         let dev = Device::Cpu;
         let (n, k) = (70, 512);
         let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
@@ -466,26 +542,32 @@ mod int8_tests {
             let q = QTensor::quantize(&w, dt)?;
             let wd: Vec<f32> = q.dequantize(&dev)?.flatten_all()?.to_vec1()?;
             let mm = CpuMatmul::new(Format::from_ggml(dt).unwrap(), n, k, Arc::new(q.data()?.to_vec())).unwrap();
-            let x: Vec<f32> = Tensor::randn(0f32, 1.0, (1, k), &dev)?.flatten_all()?.to_vec1()?;
-            let (mut exact, mut fast) = (vec![0f32; n], vec![0f32; n]);
-            mm.forward_with(level(), true, &x, 1, &mut exact);
-            mm.forward_with(level(), false, &x, 1, &mut fast);
-            for r in 0..n {
-                let row = &wd[r * k..(r + 1) * k];
-                let bound: f32 = (0..k / 32)
-                    .map(|b| {
-                        let amax = x[b * 32..b * 32 + 32].iter().fold(0f32, |m, v| m.max(v.abs()));
-                        amax * (1.0 / 254.0 + 1.0 / 2048.0) * row[b * 32..b * 32 + 32].iter().map(|v| v.abs()).sum::<f32>()
-                    })
-                    .sum();
-                let err = (exact[r] - fast[r]).abs();
-                assert!(err <= bound + 1e-2, "{dt:?} row {r}: error {err} > bound {bound}");
-            }
-            let int8_kernel = dt != GgmlDType::F16;
-            if int8_kernel && level() == Level::Avx512 && super::super::vnni::available() {
-                assert_ne!(exact, fast, "{dt:?}: the 8-bit path did not run");
-            } else {
-                assert_eq!(exact, fast, "{dt:?}");
+            // One token (decode), and several (prefill, `vnni_gemm`).
+            for t in [1, 5, 70] {
+                let xs: Vec<f32> = Tensor::randn(0f32, 1.0, (t, k), &dev)?.flatten_all()?.to_vec1()?;
+                let (mut exact, mut fast) = (vec![0f32; t * n], vec![0f32; t * n]);
+                mm.forward_with(level(), true, &xs, t, &mut exact);
+                mm.forward_with(level(), false, &xs, t, &mut fast);
+                for tok in 0..t {
+                    let x = &xs[tok * k..(tok + 1) * k];
+                    for r in 0..n {
+                        let row = &wd[r * k..(r + 1) * k];
+                        let bound: f32 = (0..k / 32)
+                            .map(|b| {
+                                let amax = x[b * 32..b * 32 + 32].iter().fold(0f32, |m, v| m.max(v.abs()));
+                                amax * (1.0 / 254.0 + 1.0 / 2048.0) * row[b * 32..b * 32 + 32].iter().map(|v| v.abs()).sum::<f32>()
+                            })
+                            .sum();
+                        let err = (exact[tok * n + r] - fast[tok * n + r]).abs();
+                        assert!(err <= bound + 1e-2, "{dt:?} t={t} token {tok} row {r}: error {err} > bound {bound}");
+                    }
+                }
+                let int8_kernel = dt != GgmlDType::F16;
+                if int8_kernel && level() == Level::Avx512 && super::super::vnni::available() {
+                    assert_ne!(exact, fast, "{dt:?} t={t}: the 8-bit path did not run");
+                } else {
+                    assert_eq!(exact, fast, "{dt:?} t={t}");
+                }
             }
         }
         Ok(())

@@ -7,6 +7,8 @@
 //! written as plain Rust over fixed-size lanes and compiled several times for different x86
 //! feature levels (`multiversion!`), chosen once at run time; other CPUs get the portable build.
 
+mod alloc;
+pub mod attn;
 pub mod formats;
 pub mod math;
 pub mod matmul;
@@ -15,6 +17,8 @@ pub(crate) mod simd;
 pub mod threads;
 #[cfg(target_arch = "x86_64")]
 mod vnni;
+#[cfg(target_arch = "x86_64")]
+mod vnni_gemm;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

@@ -41,6 +41,7 @@ pub struct Pool {
 pub fn pool() -> &'static Pool {
     static POOL: OnceLock<Pool> = OnceLock::new();
     POOL.get_or_init(|| {
+        super::alloc::tune();
         let n = std::env::var("FERROLM_THREADS")
             .ok()
             .and_then(|v| v.parse().ok())
@@ -163,6 +164,12 @@ unsafe impl Sync for SharedOut {}
 impl SharedOut {
     pub fn new(out: &mut [f32]) -> Self {
         Self(out.as_mut_ptr(), out.len())
+    }
+
+    /// The buffer's start, for kernels that write through a pointer (they must keep to the
+    /// same rule as `write`).
+    pub fn ptr(&self) -> *mut f32 {
+        self.0
     }
 
     /// # Safety

@@ -34,21 +34,25 @@ pub enum Layout {
 #[repr(C, align(64))]
 pub struct QPair {
     /// int8 activations in the format's layout.
-    q: [i8; 64],
+    pub(super) q: [i8; 64],
     /// Each lane's block scale d_x.
-    dx: [f32; 16],
+    pub(super) dx: [f32; 16],
     /// −k · (sum of the lane's 4 activations): the starting value of the integer accumulator.
-    corr: [i32; 16],
+    pub(super) corr: [i32; 16],
+    /// `corr` summed per 128-bit chunk, every lane of a chunk holding its chunk's sum (the
+    /// correction of `vnni_gemm`, which sums each chunk's lanes before converting to f32).
+    pub(super) corr4: [i32; 16],
     /// `[0, s0, 0, s1]`, s = d_x · Σq per block: multiplied by `[d0, m0, d1, m1]` it adds the
     /// min term m·s of formats with a min (and nothing for the others, whose m lanes are 0).
-    s: [f32; 4],
+    pub(super) s: [f32; 4],
 }
 
 impl QPair {
-    const ZERO: QPair = QPair {
+    pub(super) const ZERO: QPair = QPair {
         q: [0; 64],
         dx: [0.0; 16],
         corr: [0; 16],
+        corr4: [0; 16],
         s: [0.0; 4],
     };
 }
@@ -294,9 +298,19 @@ unsafe fn round_f16(v: f32) -> f32 {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn quantize<V: Vnni>(x: &[f32], out: &mut Vec<QPair>) {
     assert!(x.len() % 32 == 0);
-    let blocks = x.len() / 32;
     out.clear();
-    out.resize(blocks.div_ceil(2), QPair::ZERO);
+    out.resize(x.len().div_ceil(64), QPair::ZERO);
+    quantize_into::<V>(x, out)
+}
+
+/// `quantize` into a slice of `x.len().div_ceil(64)` pairs.
+///
+/// # Safety
+/// `available()`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn quantize_into<V: Vnni>(x: &[f32], out: &mut [QPair]) {
+    assert!(x.len() % 32 == 0 && out.len() == x.len().div_ceil(64));
+    let blocks = x.len() / 32;
     for (p, pair) in out.iter_mut().enumerate() {
         let mut bytes = _mm512_setzero_si512();
         let (mut d, mut s) = ([0f32; 2], [0f32; 2]);
@@ -318,6 +332,9 @@ pub unsafe fn quantize<V: Vnni>(x: &[f32], out: &mut Vec<QPair>) {
         let lane_sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), bytes);
         let corr = _mm512_mullo_epi32(lane_sums, _mm512_set1_epi32(-V::OFFSET));
         _mm512_storeu_si512(pair.corr.as_mut_ptr() as *mut _, corr);
+        let c2 = _mm512_add_epi32(_mm512_unpacklo_epi32(corr, corr), _mm512_unpackhi_epi32(corr, corr));
+        let c4 = _mm512_add_epi32(_mm512_unpacklo_epi64(c2, c2), _mm512_unpackhi_epi64(c2, c2));
+        _mm512_storeu_si512(pair.corr4.as_mut_ptr() as *mut _, c4);
         pair.s = [0.0, s[0], 0.0, s[1]];
     }
 }
@@ -335,7 +352,7 @@ unsafe fn insert_128(v: __m512i, part: __m128i, at: usize) -> __m512i {
 /// Adds one row's product with one pair: f32 `acc` += Σ_lanes d_w·d_x·(integer dot), and the
 /// min term into `macc`.
 #[inline(always)]
-unsafe fn pair_dot<V: Vnni>(w: *const u8, p: usize, two: bool, xp: &QPair, acc: &mut __m512, macc: &mut __m128) {
+pub(super) unsafe fn pair_dot<V: Vnni>(w: *const u8, p: usize, two: bool, xp: &QPair, acc: &mut __m512, macc: &mut __m128) {
     let (wq, dw, m) = V::load_pair(w, p, two);
     let xq = _mm512_load_si512(xp.q.as_ptr() as *const _);
     let corr = _mm512_load_si512(xp.corr.as_ptr() as *const _);
@@ -348,7 +365,7 @@ unsafe fn pair_dot<V: Vnni>(w: *const u8, p: usize, two: bool, xp: &QPair, acc: 
 }
 
 #[inline(always)]
-unsafe fn finish(acc: __m512, macc: __m128) -> f32 {
+pub(super) unsafe fn finish(acc: __m512, macc: __m128) -> f32 {
     let m = _mm_add_ps(macc, _mm_movehl_ps(macc, macc));
     _mm512_reduce_add_ps(acc) + _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps::<1>(m, m)))
 }
@@ -432,7 +449,7 @@ pub unsafe fn gemv<V: Vnni>(w: &[u8], cols: usize, xq: &[QPair], rows: std::ops:
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// The int8 dot product against f64 on the same dequantized weights. Each activation is
@@ -484,7 +501,7 @@ mod tests {
     }
 
     /// Quantizes f32 rows with candle's reference quantizer.
-    fn quantize_rows<V: Vnni>(wf: &[f32], rows: usize, cols: usize) -> Vec<u8> {
+    pub(in crate::cpu) fn quantize_rows<V: Vnni>(wf: &[f32], rows: usize, cols: usize) -> Vec<u8> {
         use candle_core::quantized::{GgmlDType, QTensor};
         let dt = match V::BYTES {
             18 => GgmlDType::Q4_0,

@@ -1,0 +1,236 @@
+//! Prefill attention as small GEMMs on the `micro` kernels: for a tile of MR query tokens of one
+//! head, scores = Q·Kᵀ against 32-key panels of Kᵀ (packed once per call), a row softmax, then
+//! P·V against packed V column panels. Each key and value is loaded once per tile instead of
+//! once per query, and no horizontal reductions are needed. Decode (one query per head) keeps
+//! the per-row kernel in `attention.rs`.
+//!
+//! Per output value the arithmetic is the per-row kernel's: q·k as one FMA chain over d, scaled
+//! (and soft-capped) afterwards, `math::exp`, the weighted sum of values as one FMA chain over
+//! keys in order, divided by the sum at the end.
+
+use super::math;
+use super::micro::{self, MicroKernel};
+use super::simd::{multiversion_plain, Level, MulAdd};
+use super::threads::{parallel_ranges, SharedOut};
+use std::cell::RefCell;
+
+/// A `[H, S, D]` view with a contiguous last dimension.
+#[derive(Clone, Copy)]
+pub struct Kv<'a> {
+    pub data: &'a [f32],
+    pub head_stride: usize,
+    pub token_stride: usize,
+}
+
+impl Kv<'_> {
+    #[inline(always)]
+    fn row(&self, head: usize, token: usize, d: usize) -> &[f32] {
+        let o = head * self.head_stride + token * self.token_stride;
+        &self.data[o..o + d]
+    }
+}
+
+/// One attention call: q `[t, hq, d]`, k and v `[hkv, s, d]`, output `[t, hq·d]`.
+pub struct Call<'a> {
+    pub q: &'a [f32],
+    pub k: Kv<'a>,
+    pub v: Kv<'a>,
+    pub t: usize,
+    pub hq: usize,
+    pub hkv: usize,
+    pub s: usize,
+    pub d: usize,
+    pub scale: f32,
+    pub softcap: Option<f32>,
+    /// The key range `[lo, hi)` visible to query token i.
+    pub visible: &'a (dyn Fn(usize) -> (usize, usize) + Sync),
+}
+
+/// Runs `c` into `out` (`t·hq·d` values).
+pub fn attend(level: Level, c: &Call, out: &mut [f32]) {
+    assert_eq!(out.len(), c.t * c.hq * c.d);
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => run::<micro::Avx512>(level, c, out),
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => run::<micro::Avx2>(level, c, out),
+        _ => run::<micro::Portable>(level, c, out),
+    }
+}
+
+/// Kᵀ and V regrouped for the micro-kernel: `kt[head][panel][d][NR]` (keys zero-padded to
+/// whole panels) and `vp[head][chunk][s_pad][NR]` (d zero-padded to whole NR-column chunks).
+struct Packed {
+    kt: Vec<f32>,
+    vp: Vec<f32>,
+    panels: usize,
+    chunks: usize,
+}
+
+fn pack<K: MicroKernel>(c: &Call) -> Packed {
+    let (nr, d, s) = (K::NR, c.d, c.s);
+    let panels = s.div_ceil(nr);
+    let chunks = d.div_ceil(nr);
+    let s_pad = panels * nr;
+    let mut kt = vec![0f32; c.hkv * panels * d * nr];
+    let mut vp = vec![0f32; c.hkv * chunks * s_pad * nr];
+    for h in 0..c.hkv {
+        for j in 0..s {
+            let (p, jj) = (j / nr, j % nr);
+            let base = (h * panels + p) * d * nr + jj;
+            for (dd, v) in c.k.row(h, j, d).iter().enumerate() {
+                kt[base + dd * nr] = *v;
+            }
+            let vrow = c.v.row(h, j, d);
+            for ch in 0..chunks {
+                let cols = (d - ch * nr).min(nr);
+                let at = ((h * chunks + ch) * s_pad + j) * nr;
+                vp[at..at + cols].copy_from_slice(&vrow[ch * nr..ch * nr + cols]);
+            }
+        }
+    }
+    Packed { kt, vp, panels, chunks }
+}
+
+struct Job<'a> {
+    level: Level,
+    c: &'a Call<'a>,
+    packed: Packed,
+    tiles: usize,
+    out: SharedOut,
+}
+
+thread_local! {
+    /// Per-thread scratch: the packed query tile, the tile's scores `[MR][s_pad]`, and the
+    /// probabilities packed `[s_pad][MR]`.
+    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+}
+
+fn run<K: MicroKernel>(level: Level, c: &Call, out: &mut [f32]) {
+    let packed = pack::<K>(c);
+    let tiles = c.t.div_ceil(K::MR);
+    let job = Job { level, c, packed, tiles, out: SharedOut::new(out) };
+    let items = tiles * c.hq;
+    let s_pad = job.packed.panels * K::NR;
+    parallel_ranges(items, 1, true, |items| {
+        SCRATCH.with(|s| {
+            let (xq, scores, pt) = &mut *s.borrow_mut();
+            xq.resize(c.d * K::MR, 0.0);
+            scores.resize(K::MR * s_pad, 0.0);
+            pt.resize(s_pad * K::MR, 0.0);
+            tiles_of(level, &job, items, xq, scores, pt)
+        })
+    });
+}
+
+multiversion_plain!(fn tiles_of(job: &Job, items: std::ops::Range<usize>, xq: &mut [f32], scores: &mut [f32], pt: &mut [f32]) => tiles_impl);
+
+#[inline(always)]
+fn tiles_impl<F: MulAdd>(job: &Job, items: std::ops::Range<usize>, xq: &mut [f32], scores: &mut [f32], pt: &mut [f32]) {
+    match job.level {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => tiles_with::<F, micro::Avx512>(job, items, xq, scores, pt),
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => tiles_with::<F, micro::Avx2>(job, items, xq, scores, pt),
+        _ => tiles_with::<F, micro::Portable>(job, items, xq, scores, pt),
+    }
+}
+
+/// Work items `items` (each a (query tile, head) pair, taken alternately from both ends of the
+/// list so that causal work balances across threads).
+#[inline(always)]
+fn tiles_with<F: MulAdd, K: MicroKernel>(job: &Job, items: std::ops::Range<usize>, xq: &mut [f32], scores: &mut [f32], pt: &mut [f32]) {
+    let c = job.c;
+    let (mr, nr, d) = (K::MR, K::NR, c.d);
+    let (panels, chunks) = (job.packed.panels, job.packed.chunks);
+    let s_pad = panels * nr;
+    let group = c.hq / c.hkv;
+    let n = job.tiles * c.hq;
+    let mut acc = [0f32; 256];
+    for v in items {
+        let item = if v % 2 == 0 { v / 2 } else { n - 1 - v / 2 };
+        let (tile, h) = (item / c.hq, item % c.hq);
+        let g = h / group;
+        let i0 = tile * mr;
+        let rows = (c.t - i0).min(mr);
+        // The query tile, [d][MR], zero-padded.
+        xq.fill(0.0);
+        for r in 0..rows {
+            let q = &c.q[((i0 + r) * c.hq + h) * d..((i0 + r) * c.hq + h + 1) * d];
+            for (dd, x) in q.iter().enumerate() {
+                xq[dd * mr + r] = *x;
+            }
+        }
+        let ranges: [(usize, usize); 16] = std::array::from_fn(|r| if r < rows { (c.visible)(i0 + r) } else { (0, 0) });
+        let lo = ranges[..rows].iter().map(|r| r.0).min().unwrap_or(0);
+        let hi = ranges[..rows].iter().map(|r| r.1).max().unwrap_or(0);
+        if lo >= hi {
+            for r in 0..rows {
+                for col in 0..d {
+                    // SAFETY: each (token, head) row belongs to one work item.
+                    unsafe { job.out.write((i0 + r) * c.hq * d + h * d + col, 0.0) };
+                }
+            }
+            continue;
+        }
+        let (p0, p1) = (lo / nr, hi.div_ceil(nr));
+        // Scores for every visible panel.
+        for p in p0..p1 {
+            let kt = &job.packed.kt[(g * panels + p) * d * nr..(g * panels + p + 1) * d * nr];
+            // SAFETY: the level's features were detected; sizes match.
+            unsafe { K::run(d, xq, kt, &mut acc) };
+            for r in 0..rows {
+                scores[r * s_pad + p * nr..r * s_pad + (p + 1) * nr].copy_from_slice(&acc[r * nr..(r + 1) * nr]);
+            }
+        }
+        // Softmax per row over its own range; the rest of the union range weighs 0.
+        let mut inv = [0f32; 16];
+        for r in 0..rows {
+            let (rlo, rhi) = ranges[r];
+            let row = &mut scores[r * s_pad..(r + 1) * s_pad];
+            row[p0 * nr..rlo.max(p0 * nr)].fill(0.0);
+            row[rhi.max(rlo)..p1 * nr].fill(0.0);
+            if rlo >= rhi {
+                continue;
+            }
+            let mut max = f32::NEG_INFINITY;
+            for x in &mut row[rlo..rhi] {
+                let mut y = *x * c.scale;
+                if let Some(cap) = c.softcap {
+                    y = (y / cap).tanh() * cap;
+                }
+                *x = y;
+                max = max.max(y);
+            }
+            let mut sum = 0f32;
+            for x in &mut row[rlo..rhi] {
+                *x = math::exp(*x - max);
+                sum += *x;
+            }
+            inv[r] = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+        }
+        // Probabilities packed [key][MR] over the union panels.
+        let base = p0 * nr;
+        let len = (p1 - p0) * nr;
+        for j in 0..len {
+            for r in 0..mr {
+                pt[j * mr + r] = if r < rows { scores[r * s_pad + base + j] } else { 0.0 };
+            }
+        }
+        for ch in 0..chunks {
+            let vp0 = ((g * chunks + ch) * s_pad + base) * nr;
+            let vp = &job.packed.vp[vp0..vp0 + len * nr];
+            // SAFETY: as above.
+            unsafe { K::run(len, &pt[..len * mr], vp, &mut acc) };
+            let cols = (d - ch * nr).min(nr);
+            for r in 0..rows {
+                let o = (i0 + r) * c.hq * d + h * d + ch * nr;
+                for col in 0..cols {
+                    // SAFETY: each (token, head) row belongs to one work item.
+                    unsafe { job.out.write(o + col, acc[r * nr + col] * inv[r]) };
+                }
+            }
+        }
+    }
+    let _ = std::marker::PhantomData::<F>;
+}

@@ -16,6 +16,15 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
     candle_nn::ops::silu(gate)? * up
 }
 
+/// gelu(gate) · up with GELU's tanh approximation (Gemma's MLP), elementwise.
+pub fn gelu_tanh_mul(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
+    let cpu_f32 = matches!(gate.device(), Device::Cpu) && gate.dtype() == DType::F32 && up.dtype() == DType::F32;
+    if cpu_f32 && gate.shape() == up.shape() {
+        return gate.contiguous()?.apply_op2_no_bwd(&up.contiguous()?, &GeluTanhMul);
+    }
+    gate.gelu()? * up
+}
+
 /// `dst[0]` ← the index of the largest of `logits` (first on ties), in place: a greedy token
 /// that stays on the device (a captured step feeds it to the next one). `dst` is a one-element
 /// u32 tensor on the logits' device.
@@ -51,9 +60,39 @@ impl CustomOp2 for SiluMul {
         let n = al.shape().elem_count();
         let a = &a[al.start_offset()..al.start_offset() + n];
         let b = &b[bl.start_offset()..bl.start_offset() + n];
-        let out = a.iter().zip(b).map(|(g, u)| math::silu(*g) * u).collect();
-        Ok((CpuStorage::F32(out), al.shape().clone()))
+        Ok((CpuStorage::F32(map2(a, b, |g, u| math::silu(g) * u)), al.shape().clone()))
     }
+}
+
+struct GeluTanhMul;
+
+impl CustomOp2 for GeluTanhMul {
+    fn name(&self) -> &'static str {
+        "gelu-tanh-mul"
+    }
+
+    fn cpu_fwd(&self, a: &CpuStorage, al: &Layout, b: &CpuStorage, bl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F32(a), CpuStorage::F32(b)) = (a, b) else { candle_core::bail!("gelu-tanh-mul: expected f32") };
+        let n = al.shape().elem_count();
+        let a = &a[al.start_offset()..al.start_offset() + n];
+        let b = &b[bl.start_offset()..bl.start_offset() + n];
+        Ok((CpuStorage::F32(map2(a, b, |g, u| math::gelu_tanh(g) * u)), al.shape().clone()))
+    }
+}
+
+/// `f(a[i], b[i])` for every i, split over the CPU threads when large.
+fn map2(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) -> Vec<f32> {
+    use crate::cpu::threads::{parallel_ranges, SharedOut};
+    let mut out = vec![0f32; a.len()];
+    let shared = SharedOut::new(&mut out);
+    parallel_ranges(a.len(), 64, a.len() >= 1 << 14, |r| {
+        // SAFETY: each thread writes only its own range of `out`.
+        let o = unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(r.start), r.len()) };
+        for (o, (x, y)) in o.iter_mut().zip(a[r.clone()].iter().zip(&b[r])) {
+            *o = f(*x, *y);
+        }
+    });
+    out
 }
 
 #[cfg(test)]
@@ -70,6 +109,17 @@ mod tests {
         increment(&dst)?;
         increment(&dst)?;
         assert_eq!(dst.to_vec1::<u32>()?, [3]);
+        Ok(())
+    }
+
+    #[test]
+    fn gelu_tanh_mul_equals_candle() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let g = (Tensor::randn(0f32, 1.0, (3, 4000), &dev)? * 4.0)?;
+        let u = Tensor::randn(0f32, 1.0, (3, 4000), &dev)?;
+        let want = (g.gelu()? * &u)?;
+        let diff = (gelu_tanh_mul(&g, &u)? - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "{diff}");
         Ok(())
     }
 

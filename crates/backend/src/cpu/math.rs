@@ -27,6 +27,15 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + exp(-x))
 }
 
+/// GELU with the tanh approximation, 0.5·x·(1 + tanh(y)) with y = √(2/π)·(x + 0.044715·x³),
+/// computed as the equal x / (1 + e^(−2y)) (no libm call, no cancellation near y = 0).
+#[inline(always)]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    let y = SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x);
+    x / (1.0 + exp(-2.0 * y))
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

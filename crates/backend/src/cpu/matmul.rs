@@ -265,23 +265,24 @@ unsafe impl Sync for QRows {}
 fn int8_gemm_with<V: super::vnni::Vnni>(a: &Args, worth: bool) {
     use super::{vnni, vnni_gemm};
     let (cols, pairs) = (a.m.cols, a.m.cols.div_ceil(64));
+    let len = vnni_gemm::pairs_len(a.t, pairs);
     QX.with(|buf| {
         let mut buf = buf.borrow_mut();
-        if buf.len() < a.t * pairs {
-            buf.resize(a.t * pairs, vnni::QPair::ZERO);
+        if buf.len() < len {
+            buf.resize(len, vnni::QPair::ZERO);
         }
         let q = QRows(buf.as_mut_ptr());
         parallel_ranges(a.t, 1, worth, |toks| {
             let q = q;
             for tok in toks {
-                // SAFETY: VNNI was detected; token rows are disjoint and inside `buf`.
+                // SAFETY: VNNI was detected; tokens' pairs are disjoint and inside `buf`.
                 unsafe {
-                    let out = std::slice::from_raw_parts_mut(q.0.add(tok * pairs), pairs);
-                    vnni::quantize_into::<V>(&a.x[tok * cols..(tok + 1) * cols], out)
+                    let at = q.0.add(vnni_gemm::pair_index(tok, 0, pairs));
+                    vnni::quantize_strided::<V>(&a.x[tok * cols..(tok + 1) * cols], at, vnni_gemm::TOKENS)
                 }
             }
         });
-        let xq: &[vnni::QPair] = &buf[..a.t * pairs];
+        let xq: &[vnni::QPair] = &buf[..len];
         parallel_ranges(a.m.rows, 4, worth, |rows| {
             a.for_parts(rows, |p, rows| {
                 // SAFETY: VNNI was detected; `xq` holds x for this format; each thread writes

@@ -309,9 +309,20 @@ pub unsafe fn quantize<V: Vnni>(x: &[f32], out: &mut Vec<QPair>) {
 /// `available()`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn quantize_into<V: Vnni>(x: &[f32], out: &mut [QPair]) {
-    assert!(x.len() % 32 == 0 && out.len() == x.len().div_ceil(64));
+    assert!(out.len() == x.len().div_ceil(64));
+    quantize_strided::<V>(x, out.as_mut_ptr(), 1)
+}
+
+/// `quantize_into` writing pair p at `out + p·stride`.
+///
+/// # Safety
+/// `available()`; `out + p·stride` is valid for writes for every pair p of `x`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn quantize_strided<V: Vnni>(x: &[f32], out: *mut QPair, stride: usize) {
+    assert!(x.len() % 32 == 0);
     let blocks = x.len() / 32;
-    for (p, pair) in out.iter_mut().enumerate() {
+    for p in 0..blocks.div_ceil(2) {
+        let pair = &mut *out.add(p * stride);
         let mut bytes = _mm512_setzero_si512();
         let (mut d, mut s) = ([0f32; 2], [0f32; 2]);
         for j in 0..2.min(blocks - 2 * p) {
@@ -375,7 +386,7 @@ pub(super) unsafe fn finish(acc: __m512, macc: __m128) -> f32 {
 /// each weight once, so the kernel waits on memory; the hardware prefetcher alone does not keep
 /// up with four interleaved row streams.
 #[inline(always)]
-fn prefetch_distance(group: usize) -> usize {
+pub(super) fn prefetch_distance(group: usize) -> usize {
     static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     let min = *MIN.get_or_init(|| std::env::var("FERROLM_PREFETCH").ok().and_then(|v| v.parse().ok()).unwrap_or(1024));
     // 0: the line being read anyway (a no-op prefetch, never an unmapped address).
@@ -383,7 +394,7 @@ fn prefetch_distance(group: usize) -> usize {
 }
 
 #[inline(always)]
-unsafe fn prefetch(p: *const u8) {
+pub(super) unsafe fn prefetch(p: *const u8) {
     _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
 }
 

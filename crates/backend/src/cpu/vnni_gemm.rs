@@ -16,12 +16,26 @@ use std::arch::x86_64::*;
 /// Tokens per block: a block's quantized activations (256 bytes per 64 values) stay in L2
 /// while every weight row of the thread passes over them.
 const TOKEN_BLOCK: usize = 64;
+const _: () = assert!(TOKEN_BLOCK % TOKENS == 0);
 
 /// Tokens per register tile (with 4 weight rows).
-const TOKENS: usize = 4;
+pub const TOKENS: usize = 4;
 
-/// Output `y[tok·ld + r]` for rows `rows` of `w` and all `t` tokens of `xq` (`t` rows of
-/// `cols.div_ceil(64)` pairs, quantized for `V`).
+/// Where pair p of token `tok` sits in the activations `gemm` reads: tokens in groups of
+/// `TOKENS`, each group's pairs interleaved (`[group][pair][token in group]`), so that a tile
+/// reads its tokens' pairs from consecutive memory.
+#[inline(always)]
+pub fn pair_index(tok: usize, p: usize, pairs: usize) -> usize {
+    ((tok / TOKENS) * pairs + p) * TOKENS + tok % TOKENS
+}
+
+/// Pairs to allocate for `t` tokens of `pairs` pairs (whole groups).
+pub fn pairs_len(t: usize, pairs: usize) -> usize {
+    t.div_ceil(TOKENS) * TOKENS * pairs
+}
+
+/// Output `y[tok·ld + r]` for rows `rows` of `w` and all `t` tokens of `xq` (`t` tokens of
+/// `cols.div_ceil(64)` pairs, quantized for `V` and laid out by `pair_index`).
 ///
 /// # Safety
 /// `vnni::available()`; `w` holds whole rows of `cols / N` blocks; `y` is valid for writes at
@@ -31,7 +45,7 @@ pub unsafe fn gemm<V: Vnni>(w: &[u8], cols: usize, xq: &[QPair], t: usize, rows:
     assert!(cols % V::N == 0 && (V::N == 32 || V::N % 64 == 0));
     let row_bytes = cols / V::N * V::BYTES;
     let pairs = cols.div_ceil(64);
-    assert!(w.len() >= rows.end * row_bytes && xq.len() == t * pairs);
+    assert!(w.len() >= rows.end * row_bytes && xq.len() >= pairs_len(t, pairs));
     let shape = Shape { row_bytes, pairs, odd: cols % 64 == 32 };
     let mut t0 = 0;
     while t0 < t {
@@ -43,18 +57,13 @@ pub unsafe fn gemm<V: Vnni>(w: &[u8], cols: usize, xq: &[QPair], t: usize, rows:
             while j < t1 {
                 let nt = (t1 - j).min(TOKENS);
                 let wr = w.as_ptr().add(r * row_bytes);
-                let xj = xq.as_ptr().add(j * pairs);
+                let xj = xq.as_ptr().add(pair_index(j, 0, pairs));
                 let out = y.add(j * ld + r);
                 match nt {
-                    TOKENS => tile::<V, TOKENS>(wr, nr, xj, &shape, out, ld),
-                    1 => tile::<V, 1>(wr, nr, xj, &shape, out, ld),
-                    2 => tile::<V, 2>(wr, nr, xj, &shape, out, ld),
+                    4 => tile::<V, 4>(wr, nr, xj, &shape, out, ld),
                     3 => tile::<V, 3>(wr, nr, xj, &shape, out, ld),
-                    _ => {
-                        for jj in 0..nt {
-                            tile::<V, 1>(wr, nr, xj.add(jj * pairs), &shape, out.add(jj * ld), ld)
-                        }
-                    }
+                    2 => tile::<V, 2>(wr, nr, xj, &shape, out, ld),
+                    _ => tile::<V, 1>(wr, nr, xj, &shape, out, ld),
                 }
                 j += nt;
             }
@@ -72,7 +81,8 @@ struct Shape {
 }
 
 /// 4 rows at `w` (row stride `row_bytes`; only the first `nr` are written, the others repeat
-/// the last valid row) × M tokens at `xq` (stride `pairs`), written to `y[j·ld + i]`.
+/// the last valid row) × M ≤ TOKENS tokens of the token group at `xq`, written to
+/// `y[j·ld + i]`.
 ///
 /// Per token, the four rows' integer sums are reduced across lanes before anything is
 /// converted to f32 (`reduce4`): lane i of each 128-bit chunk then holds row i's sum over that
@@ -107,7 +117,7 @@ unsafe fn tile<V: Vnni, const M: usize>(w: *const u8, nr: usize, xq: *const QPai
             _mm512_castps_pd(_mm512_unpacklo_ps(dw[2], dw[3])),
         ));
         for j in 0..M {
-            let x = &*xq.add(j * s.pairs + p);
+            let x = &*xq.add(p * TOKENS + j);
             let xv = _mm512_load_si512(x.q.as_ptr() as *const _);
             let z = _mm512_setzero_si512();
             let mut u = reduce4(
@@ -178,7 +188,7 @@ unsafe fn extract_chunk(v: __m512, at: usize) -> __m128 {
 #[cfg(test)]
 mod tests {
     use super::super::formats;
-    use super::super::vnni::{available, gemv, quantize, quantize_into, QPair};
+    use super::super::vnni::{available, gemv, quantize, quantize_strided, QPair};
     use super::*;
 
     /// Every (token, row) equals `gemv` of that token up to f32 summation order (the integer
@@ -205,12 +215,12 @@ mod tests {
             V::dequant(blk, o);
         }
         let pairs = cols.div_ceil(64);
-        let mut xq = vec![QPair::ZERO; t * pairs];
+        let mut xq = vec![QPair::ZERO; pairs_len(t, pairs)];
         let mut got = vec![0f32; t * rows];
         // SAFETY: VNNI was detected above; sizes match.
         unsafe {
-            for (xr, qr) in x.chunks_exact(cols).zip(xq.chunks_exact_mut(pairs)) {
-                quantize_into::<V>(xr, qr);
+            for (tok, xr) in x.chunks_exact(cols).enumerate() {
+                quantize_strided::<V>(xr, xq.as_mut_ptr().add(pair_index(tok, 0, pairs)), TOKENS);
             }
             gemm::<V>(&w, cols, &xq, t, 0..rows, got.as_mut_ptr(), rows);
         }

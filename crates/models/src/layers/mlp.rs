@@ -1,6 +1,7 @@
 use candle_core::{Result, Tensor};
 use super::FusedLinear;
-use ferrolm_backend::Linear;
+use ferrolm_backend::norm::RmsNorm;
+use ferrolm_backend::{Linear, RowInput};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Activation {
@@ -26,9 +27,24 @@ impl GatedMlp {
             .map_err(|_| candle_core::Error::Msg("gate_up: expected two projections".into()))?;
         let hidden = match self.activation {
             Activation::Silu => ferrolm_backend::ops::silu_mul(&gate, &up)?,
-            Activation::GeluTanh => (gate.gelu()? * up)?,
+            Activation::GeluTanh => ferrolm_backend::ops::gelu_tanh_mul(&gate, &up)?,
         };
         self.down.forward(&hidden)
+    }
+
+    /// One decode row: returns `x + down(act(gate(n)) * up(n))` with `n = norm(x)`, the norm
+    /// fused into the gate|up product and the activation and residual add into the down product
+    /// where the backend can.
+    pub fn forward_row(&self, x: &Tensor, norm: &RmsNorm) -> Result<Tensor> {
+        let [gate, up]: [Tensor; 2] = self
+            .gate_up
+            .forward_row(RowInput::Normed(x, norm))?
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("gate_up: expected two projections".into()))?;
+        match self.activation {
+            Activation::Silu => self.down.forward_row(RowInput::SiluMul(&gate, &up), Some(x)),
+            Activation::GeluTanh => self.down.forward_row(RowInput::Plain(&(gate.gelu()? * up)?), Some(x)),
+        }
     }
 
     pub fn weight_bytes(&self) -> usize {

@@ -193,20 +193,20 @@ fn tiles_with<F: MulAdd, K: MicroKernel>(job: &Job, items: std::ops::Range<usize
             if rlo >= rhi {
                 continue;
             }
-            let mut max = f32::NEG_INFINITY;
-            for x in &mut row[rlo..rhi] {
-                let mut y = *x * c.scale;
-                if let Some(cap) = c.softcap {
-                    y = (y / cap).tanh() * cap;
+            let vis = &mut row[rlo..rhi];
+            for x in vis.iter_mut() {
+                *x *= c.scale;
+            }
+            if let Some(cap) = c.softcap {
+                for x in vis.iter_mut() {
+                    *x = (*x / cap).tanh() * cap;
                 }
-                *x = y;
-                max = max.max(y);
             }
-            let mut sum = 0f32;
-            for x in &mut row[rlo..rhi] {
+            let max = lanes(vis, f32::NEG_INFINITY, f32::max);
+            for x in vis.iter_mut() {
                 *x = math::exp(*x - max);
-                sum += *x;
             }
+            let sum = lanes(vis, 0.0, |a, b| a + b);
             inv[r] = if sum > 0.0 { 1.0 / sum } else { 0.0 };
         }
         // Probabilities packed [key][MR] over the union panels.
@@ -233,4 +233,21 @@ fn tiles_with<F: MulAdd, K: MicroKernel>(job: &Job, items: std::ops::Range<usize
         }
     }
     let _ = std::marker::PhantomData::<F>;
+}
+
+/// Folds `v` with `f` in 16 independent lanes, then the lanes (so the loop vectorizes).
+#[inline(always)]
+fn lanes(v: &[f32], init: f32, f: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut acc = [init; 16];
+    let chunks = v.chunks_exact(16);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for l in 0..16 {
+            acc[l] = f(acc[l], c[l]);
+        }
+    }
+    for (l, x) in rest.iter().enumerate() {
+        acc[l] = f(acc[l], *x);
+    }
+    acc.into_iter().fold(init, f)
 }

@@ -136,7 +136,9 @@ impl Dq16 for formats::Q6K {
     }
 }
 
-/// y[r] = W[r] · x for rows `rows`, four rows at a time sharing the activation loads.
+/// y[r] = W[r] · x for rows `rows`, four rows at a time sharing the activation loads, with
+/// software prefetch of the next row group (`vnni::prefetch_distance`): decode reads each
+/// weight once, and for F16/BF16 weights (or exact mode) this loop is what waits on memory.
 ///
 /// # Safety
 /// AVX-512F/BW/VL and F16C are available; `w` holds whole rows of `cols / N` blocks.
@@ -151,11 +153,18 @@ pub unsafe fn gemv<B: Dq16>(
     let row_bytes = cols / B::N * B::BYTES;
     assert!(w.len() >= rows.end * row_bytes && x.len() >= cols);
     let (wp, xp) = (w.as_ptr(), x.as_ptr());
+    let ahead = super::vnni::prefetch_distance(4 * row_bytes);
     let mut r = rows.start;
     while r + 4 <= rows.end {
         let mut acc = [_mm512_setzero_ps(); 4];
         for blk in 0..cols / B::N {
             let off = blk * B::BYTES;
+            for i in 0..4 {
+                let at = wp.add((r + i) * row_bytes + off).wrapping_add(ahead);
+                for line in (0..B::BYTES).step_by(64) {
+                    super::vnni::prefetch(at.wrapping_add(line));
+                }
+            }
             for c in 0..B::N / 16 {
                 let xv = _mm512_loadu_ps(xp.add(blk * B::N + 16 * c));
                 for (i, a) in acc.iter_mut().enumerate() {

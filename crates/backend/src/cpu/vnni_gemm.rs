@@ -15,11 +15,11 @@ use std::arch::x86_64::*;
 
 /// Tokens per block: a block's quantized activations (256 bytes per 64 values) stay in L2
 /// while every weight row of the thread passes over them.
-const TOKEN_BLOCK: usize = 64;
-const _: () = assert!(TOKEN_BLOCK % TOKENS == 0);
+const TOKEN_BLOCK: usize = 32;
+const _: () = assert!(TOKEN_BLOCK % TOKENS == 0 && TOKENS <= 8);
 
 /// Tokens per register tile (with 4 weight rows).
-pub const TOKENS: usize = 4;
+pub const TOKENS: usize = 8;
 
 /// Where pair p of token `tok` sits in the activations `gemm` reads: tokens in groups of
 /// `TOKENS`, each group's pairs interleaved (`[group][pair][token in group]`), so that a tile
@@ -60,6 +60,10 @@ pub unsafe fn gemm<V: Vnni>(w: &[u8], cols: usize, xq: &[QPair], t: usize, rows:
                 let xj = xq.as_ptr().add(pair_index(j, 0, pairs));
                 let out = y.add(j * ld + r);
                 match nt {
+                    8 => tile::<V, 8>(wr, nr, xj, &shape, out, ld),
+                    7 => tile::<V, 7>(wr, nr, xj, &shape, out, ld),
+                    6 => tile::<V, 6>(wr, nr, xj, &shape, out, ld),
+                    5 => tile::<V, 5>(wr, nr, xj, &shape, out, ld),
                     4 => tile::<V, 4>(wr, nr, xj, &shape, out, ld),
                     3 => tile::<V, 3>(wr, nr, xj, &shape, out, ld),
                     2 => tile::<V, 2>(wr, nr, xj, &shape, out, ld),

@@ -13,7 +13,7 @@
 use super::vnni::{QPair, Vnni};
 use std::arch::x86_64::*;
 
-/// Tokens per block: a block's quantized activations (256 bytes per 64 values) stay in L2
+/// Tokens per block: a block's quantized activations (320 bytes per 64 values) stay in L2
 /// while every weight row of the thread passes over them.
 const TOKEN_BLOCK: usize = 32;
 const _: () = assert!(TOKEN_BLOCK % TOKENS == 0 && TOKENS <= 8);

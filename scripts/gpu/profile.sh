@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Kernel-time profile of ferrolm's decode on the GPU machine (nsys when present):
+# Kernel-time profile of ferrolm's decode on the GPU machine (nsys when present, else ferrolm's
+# own event timing, FERROLM_CUDA_PROFILE=1):
 #   run(command="bash scripts/gpu/profile.sh [MODEL_NAME ...]", carry=["gpu-carry"])
 # Makes the named random-weight models (scripts/gpu/make_models.py), then for each runs
 # `ferrolm bench` under nsys with the static step eager (FERROLM_CUDA_GRAPH=0: every kernel
@@ -28,6 +29,12 @@ for r in rows[:16]:
     print(f"{float(r['Time (%)']):5.1f}% {int(r['Instances']):6d} x {float(r['Avg (ns)'])/1e3:7.1f}us {r['Name'][:70]}")
 PY
   else
-    FERROLM_CUDA_GRAPH=0 "$W/bin/ferrolm" "${args[@]}"
+    echo "== $m: eager static step, per-kernel device time"
+    FERROLM_CUDA_PROFILE=1 FERROLM_CUDA_GRAPH=0 "$W/bin/ferrolm" "${args[@]}" 2>&1 >/dev/null | python3 scripts/gpu/last_profiles.py ${PROFILE_ROWS:-24}
+    echo "== $m: graph, decode tok/s after a 2048- and a 16-token prompt"
+    FERROLM_CUDA_PROFILE=1 "$W/bin/ferrolm" "${args[@]}" 2>&1 | grep -o 'graph nodes.*\|"decode_tps":[0-9.]*' | sort -u
+    "$W/bin/ferrolm" "${args[@]/2048/16}" | grep -o '"decode_tps":[0-9.]*'
+    FERROLM_CUDA_ARENA=0 "$W/bin/ferrolm" "${args[@]}" | grep -o '"decode_tps":[0-9.]*' | sed 's/^/arena off: /'
+    FERROLM_CUDA_PDL=1 "$W/bin/ferrolm" "${args[@]}" | grep -o '"decode_tps":[0-9.]*\|"prefill_tps":[0-9.]*' | sed 's/^/pdl on: /'
   fi
 done

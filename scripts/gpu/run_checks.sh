@@ -17,7 +17,7 @@ git log -1 --format='%H %cd' 2>/dev/null | tee -a "$OUT/device.txt" || true
 echo "== kernel self-checks"
 "$W/bin/ferrolm" gpu-check > "$OUT/gpu-check.txt" 2>&1; grep -v "^ok" "$OUT/gpu-check.txt"
 FERROLM_CUDA_GEMV=smem "$W/bin/ferrolm" gpu-check 2>&1 | grep -E "gemv|checks" | grep -v "^ok" | sed 's/^/smem: /'
-FERROLM_CUDA_SOFTMAX=1 "$W/bin/ferrolm" gpu-check 2>&1 | grep -E "prefill|checks" | sed 's/^/masked softmax: /'
+FERROLM_CUDA_SOFTMAX=0 "$W/bin/ferrolm" gpu-check 2>&1 | grep -E "prefill|checks" | sed 's/^/candle softmax: /'
 echo "== models"
 python scripts/gpu/make_models.py "$W/models" gpu-carry/tokenizer ${MODELS:-} 2>&1 | tail -5
 echo "== checks and benchmarks"

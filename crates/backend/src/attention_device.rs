@@ -26,11 +26,15 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, pos: Positions, p: &AttentionP
             pos: crate::cuda::Pos::Host(pos.query_start),
             key_start: pos.key_start,
             params: p,
+            append: None,
         };
         if let Some(out) = attend_decode(&a)? {
             return Ok(out);
         }
     }
+    #[cfg(feature = "cuda")]
+    return crate::cuda::profile::region(q.device(), || format!("prefill attention t={}", q.dims()[0]), || attend_masked(q, k, v, pos, p));
+    #[cfg(not(feature = "cuda"))]
     attend_masked(q, k, v, pos, p)
 }
 
@@ -117,9 +121,6 @@ fn append_and_attend_cuda(s: &StaticStep<'_>) -> Result<Option<Tensor>> {
     let (cos, sin, interleaved) = s.rope.tables();
     let tables = RopeTables { cos, sin, interleaved };
     let (q, k, v) = (s.q.contiguous()?, s.k.contiguous()?, s.v.contiguous()?);
-    if !kv_append(s.cache_k, s.cache_v, &k, &v, Some(tables), Pos::Device(s.pos))? {
-        return Ok(None);
-    }
     let a = DecodeAttention {
         q: &q,
         k: s.cache_k,
@@ -128,11 +129,17 @@ fn append_and_attend_cuda(s: &StaticStep<'_>) -> Result<Option<Tensor>> {
         pos: Pos::Device(s.pos),
         key_start: 0,
         params: s.params,
+        append: Some((&k, &v)),
     };
-    match attend_decode(&a)? {
-        Some(out) => Ok(Some(out)),
-        None => attend_at(&s.rope.apply_at(&q, s.pos)?, s.cache_k, s.cache_v, s.pos, s.params).map(Some),
+    if let Some(out) = attend_decode(&a)? {
+        return Ok(Some(out));
     }
+    // The attention kernel does not apply (head size, grouping): append with its own kernel and
+    // attend by composition.
+    if !kv_append(s.cache_k, s.cache_v, &k, &v, Some(tables), Pos::Device(s.pos))? {
+        return Ok(None);
+    }
+    attend_at(&s.rope.apply_at(&q, s.pos)?, s.cache_k, s.cache_v, s.pos, s.params).map(Some)
 }
 
 /// buf `[Hkv, capacity, D]` ← x `[1, Hkv, D]` at token index `pos` (one u32 on the device).

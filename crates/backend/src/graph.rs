@@ -7,7 +7,7 @@ use candle_core::{Device, Result, Tensor};
 /// A captured step.
 pub struct StepGraph {
     #[cfg(feature = "cuda")]
-    graph: candle_core::cuda_backend::cudarc::driver::CudaGraph,
+    graph: crate::cuda::graph::Captured,
 }
 
 /// Whether steps on `device` can be captured.
@@ -91,5 +91,19 @@ impl TokenReader {
             return c.wait(slot);
         }
         Ok(self.ready[slot])
+    }
+}
+
+/// The kernel timings recorded since the last call (`FERROLM_CUDA_PROFILE=1`, CUDA devices,
+/// eager work only), per step of `steps`; `None` when profiling is off or the device has none.
+/// Waits for the device.
+pub fn profile_report(device: &Device, steps: usize) -> Result<Option<String>> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) if crate::cuda::profile::enabled() => crate::cuda::profile::report(d, steps).map(Some),
+        _ => {
+            let _ = steps;
+            Ok(None)
+        }
     }
 }

@@ -18,7 +18,7 @@ pub use attention::{attend, AttentionParams};
 pub use candle_core::{DType, Device, Tensor};
 pub use cpu::matmul::WeightBytes;
 pub use device::{activation_dtype, parse_device};
-pub use linear::{Linear, Weight};
+pub use linear::{Linear, RowInput, Weight};
 pub use rope::{Rope, RopeStyle};
 
 pub type Result<T> = candle_core::Result<T>;

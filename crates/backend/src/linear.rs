@@ -1,4 +1,5 @@
 use crate::cpu::{matmul::WeightBytes, CpuMatmul, Format};
+use crate::norm::RmsNorm;
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QMatMul, QTensor};
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Module, Shape, Tensor};
 use std::sync::Arc;
@@ -143,6 +144,52 @@ impl Linear {
     }
 }
 
+/// How the one input row of [`Linear::forward_row`] is made from the previous step's output.
+#[derive(Clone, Copy)]
+pub enum RowInput<'a> {
+    Plain(&'a Tensor),
+    /// RMSNorm of x.
+    Normed(&'a Tensor, &'a RmsNorm),
+    /// silu(gate) · up.
+    SiluMul(&'a Tensor, &'a Tensor),
+}
+
+impl RowInput<'_> {
+    /// The input row, computed by separate operations.
+    pub fn compose(self) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Plain(x) => Ok(x.clone()),
+            Self::Normed(x, norm) => norm.forward(x),
+            Self::SiluMul(g, u) => crate::ops::silu_mul(g, u),
+        }
+    }
+}
+
+impl Linear {
+    /// One decode row: the step that makes the input (`input`), this product, and a residual
+    /// add after it. On CUDA with dense bf16 weights and no bias that is one kernel; elsewhere
+    /// the same operations one after another (identical results on CPU).
+    pub fn forward_row(&self, input: RowInput<'_>, residual: Option<&Tensor>) -> candle_core::Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let (Kernel::Dense(w), None) = (&self.kernel, &self.bias) {
+            use crate::cuda::ops::{gemv_fused, GemvInput};
+            let gi = match input {
+                RowInput::Plain(x) => GemvInput::Plain(x),
+                RowInput::Normed(x, n) => GemvInput::Normed(x, n.parts().0, n.parts().1),
+                RowInput::SiluMul(g, u) => GemvInput::SiluMul(g, u),
+            };
+            if let Some(y) = gemv_fused(gi, w, residual)? {
+                return Ok(y);
+            }
+        }
+        let y = self.forward(&input.compose()?)?;
+        match residual {
+            Some(r) => r + y,
+            None => Ok(y),
+        }
+    }
+}
+
 fn is_dense(dtype: GgmlDType) -> bool {
     matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
 }
@@ -180,7 +227,11 @@ fn dense_forward(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     let mut dims = x.dims().to_vec();
     let rows = x.elem_count() / inp.max(1);
     *dims.last_mut().unwrap() = out;
-    x.reshape((rows, inp))?.matmul(&w.t()?)?.reshape(dims)
+    let product = || x.reshape((rows, inp))?.matmul(&w.t()?)?.reshape(dims);
+    #[cfg(feature = "cuda")]
+    return crate::cuda::profile::region(x.device(), || format!("gemm {rows}x{out}x{inp}"), product);
+    #[cfg(not(feature = "cuda"))]
+    product()
 }
 
 /// candle's quantized matmul on a non-CPU device: activations go in as they are where candle's

@@ -12,6 +12,11 @@ impl RmsNorm {
         Ok(Self { weight: weight.to_dtype(DType::F32)?, eps })
     }
 
+    /// The f32 weight and epsilon (for kernels that fuse the norm in).
+    pub fn parts(&self) -> (&Tensor, f32) {
+        (&self.weight, self.eps)
+    }
+
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         if !matches!(x.device(), Device::Cpu) {
             return self.forward_device(x);

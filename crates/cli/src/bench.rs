@@ -149,6 +149,7 @@ fn one_run(
     prompt: &[u32],
     n: usize,
 ) -> candle_core::Result<RunFigures> {
+    profile(model, "prefill", 1)?;
     let start = Instant::now();
     let (body, tail) = prompt.split_at(prompt.len() - 1);
     for chunk in body.chunks(2048) {
@@ -156,6 +157,7 @@ fn one_run(
     }
     let first = next_token(model, cache, tail)?;
     let ttft = start.elapsed().as_secs_f64();
+    profile(model, "prefill", 1)?;
     let start = Instant::now();
     let mut ids = Vec::with_capacity(n);
     let mut path = "regular";
@@ -178,6 +180,7 @@ fn one_run(
         }
     }
     let decode = start.elapsed().as_secs_f64();
+    profile(model, "decode", n)?;
     Ok(RunFigures {
         prefill_tps: prompt.len() as f64 / ttft,
         decode_tps: n as f64 / decode,
@@ -185,6 +188,14 @@ fn one_run(
         path,
         ids,
     })
+}
+
+/// Prints the kernel profile of the work since the last call (FERROLM_CUDA_PROFILE=1).
+fn profile(model: &dyn CausalLm, what: &str, steps: usize) -> candle_core::Result<()> {
+    if let Some(r) = ferrolm_backend::graph::profile_report(model.device(), steps)? {
+        eprintln!("{what}: {r}");
+    }
+    Ok(())
 }
 
 fn next_token(

@@ -30,8 +30,8 @@ pub fn load(path: Option<&Path>, device: &str) -> Result<Bundle, BundleError> {
 }
 
 /// `load` with the model split over `tensor_parallel` ranks (llama family): `cuda[:N]` gives
-/// ranks on consecutive GPUs from N, `cpu` simulates the ranks on the CPU. The all-reduce is
-/// currently a gather-sum on rank 0 (see `ferrolm_models::tensor_parallel`).
+/// ranks on consecutive GPUs from N (reduced with NCCL in builds with it), `cpu` simulates the ranks on the CPU
+/// (reduced by a gather-sum on rank 0; see `ferrolm_models::tensor_parallel`).
 pub fn load_parallel(path: Option<&Path>, device: &str, tensor_parallel: usize) -> Result<Bundle, BundleError> {
     let path = path
         .map(Path::to_path_buf)
@@ -50,10 +50,13 @@ pub fn load_parallel(path: Option<&Path>, device: &str, tensor_parallel: usize) 
         ModelSource::HfDir(m) => Tokenizer::from_hf_dir(m.dir()),
     }
     .map_err(|e| BundleError(format!("{}: tokenizer: {e}", path.display())))?;
-    let model: Box<dyn ferrolm_models::CausalLm> = match devices.len() {
-        1 => ferrolm_models::load(&source, &devices[0]).map_err(|e| BundleError(e.to_string()))?,
-        _ => Box::new(
-            ferrolm_models::tensor_parallel::load(&source, &devices, Box::new(ferrolm_models::tensor_parallel::GatherSum))
+    // FERROLM_TENSOR_PARALLEL_LOADER=1 loads even one rank through the tensor-parallel model
+    // (and its reducer): checks that path on a machine with one GPU.
+    let split = devices.len() > 1 || std::env::var("FERROLM_TENSOR_PARALLEL_LOADER").is_ok_and(|v| v == "1");
+    let model: Box<dyn ferrolm_models::CausalLm> = match split {
+        false => ferrolm_models::load(&source, &devices[0]).map_err(|e| BundleError(e.to_string()))?,
+        true => Box::new(
+            ferrolm_models::tensor_parallel::load(&source, &devices, reducer(&devices))
                 .map_err(|e| BundleError(e.to_string()))?,
         ),
     };
@@ -85,6 +88,20 @@ pub fn load_parallel(path: Option<&Path>, device: &str, tensor_parallel: usize) 
         eos_ids,
         generation,
     })
+}
+
+/// NCCL when every rank is a GPU and the build has it (feature `nccl`; a gather-sum on rank 0
+/// when NCCL cannot start), else the gather-sum (the CPU simulation; GPUs without NCCL).
+fn reducer(devices: &[ferrolm_backend::Device]) -> Box<dyn ferrolm_models::tensor_parallel::AllReduce> {
+    #[cfg(feature = "nccl")]
+    if devices.iter().all(|d| d.is_cuda()) {
+        match ferrolm_models::tensor_parallel::NcclSum::new(devices) {
+            Ok(nccl) => return Box::new(nccl),
+            Err(e) => tracing::warn!("NCCL did not start ({e}); reducing by gathering on rank 0"),
+        }
+    }
+    let _ = devices;
+    Box::new(ferrolm_models::tensor_parallel::GatherSum)
 }
 
 impl Bundle {

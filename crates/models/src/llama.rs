@@ -269,14 +269,12 @@ impl CausalLm for Llama {
             return Ok(None);
         }
         let mut x = self.embed.forward_tensor(token, &self.device)?;
-        let mut normed = self.layers[0].attn_norm.forward(&x)?;
-        for (i, (layer, (ck, cv))) in self.layers.iter().zip(kv).enumerate() {
-            let h = layer.attn.forward_static(&normed, pos, ck, cv)?;
-            let (sum, n) = layer.ffn_norm.forward_residual(&x, &h)?;
-            let h = layer.mlp.forward(&n)?;
-            let next_norm = self.layers.get(i + 1).map_or(&self.norm, |l| &l.attn_norm);
-            (x, normed) = next_norm.forward_residual(&sum, &h)?;
+        for (layer, (ck, cv)) in self.layers.iter().zip(kv) {
+            x = layer.attn.forward_static(&x, &layer.attn_norm, pos, ck, cv)?;
+            x = layer.mlp.forward_row(&x, &layer.ffn_norm)?;
         }
-        self.project_logits(&normed).map(Some)
+        // The head's norm stays a kernel of its own: every block of the (vocabulary-wide) fused
+        // product would recompute it.
+        self.project_logits(&self.norm.forward(&x)?).map(Some)
     }
 }

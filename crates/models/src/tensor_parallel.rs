@@ -6,7 +6,7 @@
 //!
 //! One driver runs the ranks in lockstep. [`GatherSum`] reduces by summing on rank 0's device:
 //! on one device that is the CPU simulation of a split (the tests check it against the unsharded
-//! model), across GPUs it is correct but slow; NCCL's all-reduce is the production reducer.
+//! model). On GPUs [`NcclSum`] reduces with NCCL (feature `nccl`).
 
 use crate::config::llama_family;
 use crate::layers::{self, Activation, Embedding, FusedLinear, GatedMlp, SelfAttention, SelfAttentionConfig};
@@ -23,6 +23,26 @@ use std::sync::Arc;
 /// Sums the ranks' partial outputs so that every rank continues from the same activations.
 pub trait AllReduce: Send + Sync {
     fn sum(&self, parts: Vec<Tensor>) -> Result<Tensor>;
+}
+
+/// NCCL's reduce to rank 0 (CUDA ranks on distinct GPUs of one host).
+#[cfg(feature = "nccl")]
+pub struct NcclSum(ferrolm_backend::cuda::nccl::Nccl);
+
+#[cfg(feature = "nccl")]
+impl NcclSum {
+    pub fn new(devices: &[Device]) -> Result<Self> {
+        Ok(Self(ferrolm_backend::cuda::nccl::Nccl::new(devices)?))
+    }
+}
+
+#[cfg(feature = "nccl")]
+impl AllReduce for NcclSum {
+    fn sum(&self, parts: Vec<Tensor>) -> Result<Tensor> {
+        let parts = parts.into_iter().map(|p| p.contiguous()).collect::<Result<Vec<_>>>()?;
+        self.0.reduce_to_first(&parts)?;
+        Ok(parts[0].clone())
+    }
 }
 
 /// Sums on the first part's device (in rank order, so results are deterministic).

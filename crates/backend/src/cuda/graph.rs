@@ -14,29 +14,51 @@ use candle_core::{Result, Tensor};
 /// small upload the step makes is cached, so the capture can reuse it).
 pub fn warm_up(dev: &CudaDevice, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
     let _cache = dev.enable_cuda_graph_htod_cache();
-    f()
+    super::arena::record();
+    let ran = f();
+    WARM_BUFFERS.with(|b| *b.borrow_mut() = super::arena::stop_recording());
+    ran
+}
+
+thread_local! {
+    /// The buffers the last warm-up allocated, for the capture that follows (see arena.rs).
+    static WARM_BUFFERS: std::cell::RefCell<Vec<Tensor>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A captured step and the buffers its kernels write.
+pub struct Captured {
+    pub graph: CudaGraph,
+    _buffers: Vec<Tensor>,
 }
 
 /// Records `f` on the device's stream into a graph (nothing executes). Errors leave the stream
 /// out of capture mode.
-pub fn capture(dev: &CudaDevice, f: &mut dyn FnMut() -> Result<()>) -> Result<CudaGraph> {
+pub fn capture(dev: &CudaDevice, f: &mut dyn FnMut() -> Result<()>) -> Result<Captured> {
     let stream = dev.cuda_stream();
     stream.synchronize().w()?;
     let _cache = dev.enable_cuda_graph_htod_cache();
+    super::arena::replay(WARM_BUFFERS.with(|b| std::mem::take(&mut *b.borrow_mut())));
     stream
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .w()?;
     let ran = f();
     let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    let (buffers, all_used) = super::arena::stop_replay();
     ran?;
     let graph = ended.w()?.ok_or_else(|| candle_core::Error::Msg("the captured step recorded no work".into()))?;
+    if !all_used {
+        candle_core::bail!("step arena: the capture allocated fewer buffers than its warm-up");
+    }
     graph.upload().w()?;
-    Ok(graph)
+    if super::profile::enabled() {
+        eprintln!("{}", super::profile::graph_nodes(graph.cu_graph()));
+    }
+    Ok(Captured { graph, _buffers: buffers })
 }
 
 /// Replays a captured graph on its stream.
-pub fn replay(graph: &CudaGraph) -> Result<()> {
-    graph.launch().w()
+pub fn replay(c: &Captured) -> Result<()> {
+    c.graph.launch().w()
 }
 
 /// Copies one-element u32 device tensors into pinned host slots without waiting; `wait` blocks

@@ -13,6 +13,14 @@ template <typename T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
 template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __float2bfloat16(x); }
 
+// Programmatic dependent launch: let the next kernel be scheduled now, and wait until the
+// previous kernel's writes are visible before reading anything. Both are no-ops for a launch
+// without the PDL attribute. Every kernel starts with this.
+__device__ __forceinline__ void pdl_prologue() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+}
+
 __device__ __forceinline__ unsigned read_pos(const unsigned* pos_ptr, unsigned pos_host) {
   return pos_ptr ? *pos_ptr : pos_host;
 }
@@ -76,11 +84,68 @@ __device__ void rmsnorm(const T* x, const T* r, T* sum_out, T* out, const float*
   }
 }
 
-extern "C" __global__ void fl_rmsnorm_bf16(const bf16* x, const bf16* r, bf16* sum_out, bf16* out, const float* w, int cols, float eps) {
+extern "C" __global__ void fl_rmsnorm_bf16(const bf16* x, const bf16* r, bf16* sum_out, bf16* out, const float* w, int cols, float eps) { pdl_prologue();
   rmsnorm<bf16>(x, r, sum_out, out, w, cols, eps);
 }
-extern "C" __global__ void fl_rmsnorm_f32(const float* x, const float* r, float* sum_out, float* out, const float* w, int cols, float eps) {
+extern "C" __global__ void fl_rmsnorm_f32(const float* x, const float* r, float* sum_out, float* out, const float* w, int cols, float eps) { pdl_prologue();
   rmsnorm<float>(x, r, sum_out, out, w, cols, eps);
+}
+
+// The same for bf16 rows with cols % 8 == 0 and cols <= 8 * RMS_VECS * blockDim.x: 16-byte loads,
+// the row kept in registers (one read of x and r, no read-back of the sum). A single decode row
+// is latency-bound: up to 1024 threads, every load of a thread issued before the reduction.
+#define RMS_VECS 4
+extern "C" __global__ void __launch_bounds__(1024) fl_rmsnorm_vec_bf16(const bf16* x, const bf16* r, bf16* sum_out, bf16* out,
+                                                                       const float* w, int cols, float eps) { pdl_prologue();
+  size_t row = blockIdx.x;
+  int nv = cols / 8;
+  const uint4* xv = reinterpret_cast<const uint4*>(x + row * cols);
+  const uint4* rv = r ? reinterpret_cast<const uint4*>(r + row * cols) : nullptr;
+  uint4* sv = r ? reinterpret_cast<uint4*>(sum_out + row * cols) : nullptr;
+  uint4* ov = reinterpret_cast<uint4*>(out + row * cols);
+  uint4 xs[RMS_VECS], rs[RMS_VECS];
+#pragma unroll
+  for (int u = 0; u < RMS_VECS; u++) {
+    int i = threadIdx.x + u * blockDim.x;
+    if (i < nv) {
+      xs[u] = xv[i];
+      if (rv) rs[u] = rv[i];
+    }
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int u = 0; u < RMS_VECS; u++) {
+    int i = threadIdx.x + u * blockDim.x;
+    if (i >= nv) continue;
+    bf16* e = reinterpret_cast<bf16*>(&xs[u]);
+    if (rv) {
+      const bf16* re = reinterpret_cast<const bf16*>(&rs[u]);
+#pragma unroll
+      for (int k = 0; k < 8; k++) e[k] = __float2bfloat16(__bfloat162float(e[k]) + __bfloat162float(re[k]));
+      sv[i] = xs[u];
+    }
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+      float v = __bfloat162float(e[k]);
+      ss += v * v;
+    }
+  }
+  ss = block_sum(ss);
+  float inv = rsqrtf(ss / (float)cols + eps);
+#pragma unroll
+  for (int u = 0; u < RMS_VECS; u++) {
+    int i = threadIdx.x + u * blockDim.x;
+    if (i >= nv) continue;
+    const bf16* e = reinterpret_cast<const bf16*>(&xs[u]);
+    const float4* wv = reinterpret_cast<const float4*>(w) + 2 * i;
+    float4 w0 = wv[0], w1 = wv[1];
+    float ws[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+    uint4 o;
+    bf16* oe = reinterpret_cast<bf16*>(&o);
+#pragma unroll
+    for (int k = 0; k < 8; k++) oe[k] = __float2bfloat16(__bfloat162float(e[k]) * inv * ws[k]);
+    ov[i] = o;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -109,11 +174,11 @@ __device__ void rope(const T* x, T* out, const float* cos_t, const float* sin_t,
 }
 
 extern "C" __global__ void fl_rope_bf16(const bf16* x, bf16* out, const float* c, const float* s, const unsigned* pp,
-                                        unsigned ph, int tokens, int heads, int dim, int inter) {
+                                        unsigned ph, int tokens, int heads, int dim, int inter) { pdl_prologue();
   rope<bf16>(x, out, c, s, pp, ph, tokens, heads, dim, inter);
 }
 extern "C" __global__ void fl_rope_f32(const float* x, float* out, const float* c, const float* s, const unsigned* pp,
-                                       unsigned ph, int tokens, int heads, int dim, int inter) {
+                                       unsigned ph, int tokens, int heads, int dim, int inter) { pdl_prologue();
   rope<float>(x, out, c, s, pp, ph, tokens, heads, dim, inter);
 }
 
@@ -149,11 +214,11 @@ __device__ void kv_append(const T* k, const T* v, T* kc, T* vc, const float* cos
 }
 
 extern "C" __global__ void fl_kv_append_bf16(const bf16* k, const bf16* v, bf16* kc, bf16* vc, const float* c, const float* s,
-                                             const unsigned* pp, unsigned ph, int dim, int cap, int inter) {
+                                             const unsigned* pp, unsigned ph, int dim, int cap, int inter) { pdl_prologue();
   kv_append<bf16>(k, v, kc, vc, c, s, pp, ph, dim, cap, inter);
 }
 extern "C" __global__ void fl_kv_append_f32(const float* k, const float* v, float* kc, float* vc, const float* c, const float* s,
-                                            const unsigned* pp, unsigned ph, int dim, int cap, int inter) {
+                                            const unsigned* pp, unsigned ph, int dim, int cap, int inter) { pdl_prologue();
   kv_append<float>(k, v, kc, vc, c, s, pp, ph, dim, cap, inter);
 }
 
@@ -161,26 +226,53 @@ extern "C" __global__ void fl_kv_append_f32(const float* k, const float* v, floa
 // Single-query attention over a KV cache (flash-decoding). q: [hq, D]; kc, vc: [hkv, *, D] with
 // head stride `head_stride` and token stride D; query head h*G+g uses kv head h. The query sits
 // at absolute position qpos; key j (0-based in the view) is at key_start + j and is visible when
-// lo <= j < hi (causal, optional sliding window), j < s_max. Keys are split in chunks of
-// `chunk`; block (h, split) writes each of its G heads' running max, sum and weighted values to
-// the partial buffers, and attn_combine merges the splits. When cos_t is non-null q is rotated
-// first (at qpos). 128 threads = 4 warps; each warp takes every 4th key; lanes hold D/32
-// consecutive elements.
-#define ATTN_WARPS 4
+// lo <= j < hi (causal, optional sliding window), j < s_max. Block (h, split) takes the
+// ATTN_CHUNK keys from split*ATTN_CHUNK and writes each of its G heads' max, sum and weighted
+// values to the partial buffers; attn_merge combines the splits. When cos_t is non-null q is
+// rotated first (at qpos).
+//
+// Decode attention is bound by memory latency, not bandwidth (a few MB per layer), so the block
+// keeps many loads in flight: scores first (two threads per key, each with all its 16-byte K
+// loads issued at once), then the chunk's softmax in shared memory, then P·V with D/8 threads
+// per key row and every V load of a thread unrolled. Masked keys are never loaded; their
+// weight is exactly 0, so a view and the whole buffer give bit-identical sums.
+#define ATTN_THREADS 128
+#define ATTN_CHUNK 64
 #define ATTN_MAX_G 8
 
+template <typename T> struct Vec8;
+template <> struct Vec8<bf16> {
+  uint4 raw;
+  __device__ __forceinline__ void load(const bf16* p) { raw = *reinterpret_cast<const uint4*>(p); }
+  __device__ __forceinline__ float get(int i) const {
+    return __bfloat162float(reinterpret_cast<const bf16*>(&raw)[i]);
+  }
+};
+template <> struct Vec8<float> {
+  float4 a, b;
+  __device__ __forceinline__ void load(const float* p) {
+    a = reinterpret_cast<const float4*>(p)[0];
+    b = reinterpret_cast<const float4*>(p)[1];
+  }
+  __device__ __forceinline__ float get(int i) const {
+    const float* f = i < 4 ? &a.x : &b.x;
+    return f[i & 3];
+  }
+};
+
 template <typename T, int D>
-__device__ void attn_partial(const T* q, const T* kc, const T* vc, const float* cos_t, const float* sin_t,
+__device__ void attn_chunk(const T* q, const T* kc, const T* vc, const float* cos_t, const float* sin_t,
                              const unsigned* pos_ptr, unsigned pos_host, int G, long head_stride, int key_start,
-                             int s_max, int window, int chunk, float scale, float softcap, int interleaved,
+                             int s_max, int window, float scale, float softcap, int interleaved,
                              float* part_m, float* part_l, float* part_acc) {
-  constexpr int E = D / 32;
+  constexpr int V8 = D / 8;                 // 8-element vectors per row
+  constexpr int HALF_V = V8 / 2;            // vectors per score thread
+  constexpr int SLOTS = ATTN_THREADS / V8;  // key rows in flight in P·V
   __shared__ float qs[ATTN_MAX_G][D];
-  __shared__ float sm[ATTN_WARPS][ATTN_MAX_G];
-  __shared__ float sl[ATTN_WARPS][ATTN_MAX_G];
-  __shared__ float sacc[ATTN_WARPS][ATTN_MAX_G][D];
+  __shared__ float ps[ATTN_MAX_G][ATTN_CHUNK];
+  __shared__ float sm[ATTN_MAX_G], sl[ATTN_MAX_G];
+  static_assert(ATTN_CHUNK == 64 && ATTN_THREADS == 2 * ATTN_CHUNK, "two score threads per key, two keys per softmax lane");
   int h = blockIdx.x, split = blockIdx.y, nsplit = gridDim.y;
-  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   long qpos = (long)read_pos(pos_ptr, pos_host);
   long hi = qpos + 1 - key_start;
   if (hi > s_max) hi = s_max;
@@ -189,13 +281,38 @@ __device__ void attn_partial(const T* q, const T* kc, const T* vc, const float* 
     lo = qpos + 1 - window - key_start;
     if (lo < 0) lo = 0;
   }
-  long begin = (long)split * chunk, end = begin + chunk;
-  if (begin < lo) begin = lo;
-  if (end > hi) end = hi;
+  long begin = (long)split * ATTN_CHUNK, end = begin + ATTN_CHUNK;
+  long first = begin > lo ? begin : lo, last = end < hi ? end : hi;
+  if (first >= last) {
+    for (int g = threadIdx.x; g < G; g += blockDim.x) {
+      size_t slot = (size_t)(h * G + g) * nsplit + split;
+      part_m[slot] = -INFINITY;
+      part_l[slot] = 0.f;
+    }
+    return;
+  }
+  const T* kh = kc + (size_t)h * head_stride;
+  const T* vh = vc + (size_t)h * head_stride;
+  int tid = threadIdx.x;
+
+  // This thread's V vectors for P·V (see below), loaded first when registers allow so that
+  // their latency overlaps the score phase.
+  constexpr int PER = ATTN_CHUNK / SLOTS;
+  constexpr bool EARLY_V = D <= 128;
+  int slot = tid / V8, c = tid % V8;
+  Vec8<T> vv[PER];
+  auto load_v = [&]() {
+#pragma unroll
+    for (int r = 0; r < PER; r++) {
+      long j = begin + slot + r * SLOTS;
+      if (j >= first && j < last) vv[r].load(vh + (size_t)j * D + c * 8);
+    }
+  };
+  if (EARLY_V) load_v();
 
   // q (rotated, scaled) into shared memory.
   int half = D / 2;
-  for (int idx = threadIdx.x; idx < G * half; idx += blockDim.x) {
+  for (int idx = tid; idx < G * half; idx += blockDim.x) {
     int g = idx / half, i = idx % half;
     const T* src = q + (size_t)(h * G + g) * D;
     int ai = interleaved ? 2 * i : i;
@@ -212,85 +329,238 @@ __device__ void attn_partial(const T* q, const T* kc, const T* vc, const float* 
     qs[g][ai] = a * scale;
     qs[g][bi] = b * scale;
   }
-  __syncthreads();
 
-  float qr[ATTN_MAX_G][E];
-  float m[ATTN_MAX_G], l[ATTN_MAX_G], acc[ATTN_MAX_G][E];
+  // Scores: threads 2k and 2k+1 share key begin+k; thread half `p` takes vectors p, p+2, ...
+  {
+    int k = tid >> 1, p = tid & 1;
+    long j = begin + k;
+    bool live = j >= first && j < last;
+    Vec8<T> kv[HALF_V];
+    if (live) {
 #pragma unroll
-  for (int g = 0; g < ATTN_MAX_G; g++) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-#pragma unroll
-    for (int e = 0; e < E; e++) {
-      qr[g][e] = g < G ? qs[g][lane * E + e] : 0.f;
-      acc[g][e] = 0.f;
+      for (int u = 0; u < HALF_V; u++) kv[u].load(kh + (size_t)j * D + (2 * u + p) * 8);
     }
-  }
-  const T* kh = kc + (size_t)h * head_stride;
-  const T* vh = vc + (size_t)h * head_stride;
-  for (long j = begin + warp; j < end; j += ATTN_WARPS) {
-    float kr[E], vr[E];
-    const T* krow = kh + (size_t)j * D + lane * E;
-    const T* vrow = vh + (size_t)j * D + lane * E;
-#pragma unroll
-    for (int e = 0; e < E; e++) {
-      kr[e] = to_f(krow[e]);
-      vr[e] = to_f(vrow[e]);
-    }
+    __syncthreads();  // qs ready
 #pragma unroll
     for (int g = 0; g < ATTN_MAX_G; g++) {
       if (g >= G) break;
       float s = 0.f;
+      if (live) {
 #pragma unroll
-      for (int e = 0; e < E; e++) s += qr[g][e] * kr[e];
-      s = warp_sum(s);
-      if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
-      float mn = fmaxf(m[g], s);
-      float corr = __expf(m[g] - mn);
-      float p = __expf(s - mn);
-      l[g] = l[g] * corr + p;
+        for (int u = 0; u < HALF_V; u++) {
+          const float* qv = &qs[g][(2 * u + p) * 8];
 #pragma unroll
-      for (int e = 0; e < E; e++) acc[g][e] = acc[g][e] * corr + p * vr[e];
-      m[g] = mn;
+          for (int e = 0; e < 8; e++) s = fmaf(qv[e], kv[u].get(e), s);
+        }
+      }
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      if (live && softcap > 0.f) s = tanhf(s / softcap) * softcap;
+      if (p == 0) ps[g][k] = live ? s : -INFINITY;
     }
-  }
-  for (int g = 0; g < G; g++) {
-    if (lane == 0) {
-      sm[warp][g] = m[g];
-      sl[warp][g] = l[g];
-    }
-#pragma unroll
-    for (int e = 0; e < E; e++) sacc[warp][g][lane * E + e] = acc[g][e];
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
-    int g = idx / D, d = idx % D;
-    float M = -INFINITY;
-    for (int w = 0; w < ATTN_WARPS; w++) M = fmaxf(M, sm[w][g]);
-    float L = 0.f, A = 0.f;
-    if (M != -INFINITY) {
-      for (int w = 0; w < ATTN_WARPS; w++) {
-        if (sm[w][g] == -INFINITY) continue;
-        float f = __expf(sm[w][g] - M);
-        L += sl[w][g] * f;
-        A += sacc[w][g][d] * f;
+
+  // Softmax over the chunk: warp w takes heads w, w+4, ...
+  {
+    int warp = tid >> 5, lane = tid & 31;
+    for (int g = warp; g < G; g += ATTN_THREADS / 32) {
+      float a = ps[g][lane], b = ps[g][lane + 32];
+      float m = fmaxf(a, b);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      float ea = __expf(a - m), eb = __expf(b - m);
+      ps[g][lane] = ea;
+      ps[g][lane + 32] = eb;
+      float l = warp_sum(ea + eb);
+      if (lane == 0) {
+        sm[g] = m;
+        sl[g] = l;
       }
     }
+  }
+  __syncthreads();
+
+  // P·V: thread (slot, c) accumulates vector c of keys slot, slot + SLOTS, ...
+  __shared__ float pacc[SLOTS][ATTN_MAX_G][D];
+  {
+    if (!EARLY_V) load_v();
+    float acc[ATTN_MAX_G][8];
+#pragma unroll
+    for (int g = 0; g < ATTN_MAX_G; g++)
+#pragma unroll
+      for (int e = 0; e < 8; e++) acc[g][e] = 0.f;
+#pragma unroll
+    for (int r = 0; r < PER; r++) {
+      int k = slot + r * SLOTS;
+      long j = begin + k;
+      if (j < first || j >= last) continue;
+#pragma unroll
+      for (int g = 0; g < ATTN_MAX_G; g++) {
+        if (g >= G) break;
+        float w = ps[g][k];
+#pragma unroll
+        for (int e = 0; e < 8; e++) acc[g][e] = fmaf(w, vv[r].get(e), acc[g][e]);
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < ATTN_MAX_G; g++) {
+      if (g >= G) break;
+#pragma unroll
+      for (int e = 0; e < 8; e++) pacc[slot][g][c * 8 + e] = acc[g][e];
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < G * D; idx += blockDim.x) {
+    int g = idx / D, d = idx % D;
+    float a = 0.f;
+#pragma unroll
+    for (int r = 0; r < SLOTS; r++) a += pacc[r][g][d];
     size_t slot = (size_t)(h * G + g) * nsplit + split;
-    part_acc[slot * D + d] = A;
+    part_acc[slot * D + d] = a;
     if (d == 0) {
-      part_m[slot] = M;
-      part_l[slot] = L;
+      part_m[slot] = sm[g];
+      part_l[slot] = sl[g];
     }
   }
 }
 
+// Writes one token's key (rotated at qpos when cos_t is non-null, rounded to T) and value into
+// row j of kv head h's cache rows kh, vh (the work of fl_kv_append, done here by the one block
+// whose chunk holds j, before it reads the chunk).
+template <typename T, int D>
+__device__ void attn_append(const T* k_new, const T* v_new, T* kh, T* vh, long j, long qpos, int h, const float* cos_t,
+                            const float* sin_t, int interleaved) {
+  constexpr int half = D / 2;
+  const T* ks = k_new + (size_t)h * D;
+  const T* vs = v_new + (size_t)h * D;
+  T* kr = kh + (size_t)j * D;
+  T* vr = vh + (size_t)j * D;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    int ai = interleaved ? 2 * i : i;
+    int bi = interleaved ? 2 * i + 1 : i + half;
+    if (cos_t) {
+      size_t row = (size_t)qpos * half + i;
+      float o1, o2;
+      rotate(to_f(ks[ai]), to_f(ks[bi]), cos_t[row], sin_t[row], &o1, &o2);
+      kr[ai] = from_f<T>(o1);
+      kr[bi] = from_f<T>(o2);
+    } else {
+      kr[ai] = ks[ai];
+      kr[bi] = ks[bi];
+    }
+    vr[ai] = vs[ai];
+    vr[bi] = vs[bi];
+  }
+}
+
+// Merges the splits of kv head h's G query heads into out [hq, D] (run by the last block of the
+// head to finish). Partials are read past L1 (other blocks wrote them), and every load of a pass
+// is independent of the others so that they overlap: a split-by-split loop is a chain of L2
+// latencies. Splits with no visible key wrote no values: their weight is exactly 0 and their
+// garbage values are selected away, never multiplied.
+#define MERGE_ROUND 64
+template <typename T, int D>
+__device__ void attn_merge(const float* part_m, const float* part_l, const float* part_acc, T* out, int h, int G, int nsplit) {
+  constexpr int OUTS = ATTN_MAX_G * D / ATTN_THREADS;
+  __shared__ float Ms[ATTN_MAX_G], dens[ATTN_MAX_G];
+  __shared__ float wts[ATTN_MAX_G][MERGE_ROUND];
+  int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  for (int g = warp; g < G; g += ATTN_THREADS / 32) {
+    const float* pm = part_m + (size_t)(h * G + g) * nsplit;
+    const float* pl = part_l + (size_t)(h * G + g) * nsplit;
+    float M = -INFINITY;
+    for (int s = lane; s < nsplit; s += 32) M = fmaxf(M, __ldcg(pm + s));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    float den = 0.f;
+    for (int s = lane; s < nsplit; s += 32) {
+      float m = __ldcg(pm + s), l = __ldcg(pl + s);
+      den += m == -INFINITY ? 0.f : l * __expf(m - M);
+    }
+    den = warp_sum(den);
+    if (lane == 0) {
+      Ms[g] = M;
+      dens[g] = den;
+    }
+  }
+  __syncthreads();
+  float num[OUTS];
+#pragma unroll
+  for (int o = 0; o < OUTS; o++) num[o] = 0.f;
+  for (int base = 0; base < nsplit; base += MERGE_ROUND) {
+    int n = min(MERGE_ROUND, nsplit - base);
+    for (int idx = tid; idx < G * MERGE_ROUND; idx += ATTN_THREADS) {
+      int g = idx / MERGE_ROUND, s = idx % MERGE_ROUND;
+      float w = 0.f;
+      if (s < n) {
+        float m = __ldcg(part_m + (size_t)(h * G + g) * nsplit + base + s);
+        w = m == -INFINITY ? 0.f : __expf(m - Ms[g]);
+      }
+      wts[g][s] = w;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int o = 0; o < OUTS; o++) {
+      int idx = tid + o * ATTN_THREADS;
+      if (idx >= G * D) break;
+      int g = idx / D, d = idx % D;
+      const float* pa = part_acc + ((size_t)(h * G + g) * nsplit + base) * D + d;
+      float acc = 0.f;
+#pragma unroll 8
+      for (int s = 0; s < n; s++) {
+        float a = __ldcg(pa + (size_t)s * D), w = wts[g][s];
+        acc += w != 0.f ? a * w : 0.f;
+      }
+      num[o] += acc;
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int o = 0; o < OUTS; o++) {
+    int idx = tid + o * ATTN_THREADS;
+    if (idx >= G * D) break;
+    int g = idx / D;
+    out[(size_t)(h * G) * D + idx] = from_f<T>(dens[g] > 0.f ? num[o] / dens[g] : 0.f);
+  }
+}
+
+// The decode attention kernel: grid (hkv, nsplit), ATTN_THREADS threads. With k_new non-null the
+// new token's key and value are appended first (see attn_append). Each block writes its chunk's
+// partials; the last block of kv head h to finish (counted in counters[h], which it resets to 0
+// for the next step) merges them into out.
+template <typename T, int D>
+__device__ void attn_decode(const T* q, T* kc, T* vc, const float* cos_t, const float* sin_t, const unsigned* pos_ptr,
+                            unsigned pos_host, int G, long head_stride, int key_start, int s_max, int window, float scale,
+                            float softcap, int interleaved, float* part_m, float* part_l, float* part_acc, const T* k_new,
+                            const T* v_new, unsigned* counters, T* out) {
+  __shared__ bool last_block;
+  int h = blockIdx.x, split = blockIdx.y, nsplit = gridDim.y;
+  long qpos = (long)read_pos(pos_ptr, pos_host);
+  long j = qpos - key_start;
+  if (k_new && j >= (long)split * ATTN_CHUNK && j < (long)(split + 1) * ATTN_CHUNK && j < s_max) {
+    attn_append<T, D>(k_new, v_new, kc + (size_t)h * head_stride, vc + (size_t)h * head_stride, j, qpos, h, cos_t, sin_t,
+                      interleaved);
+    __syncthreads();  // the chunk's reads below see the new row
+  }
+  attn_chunk<T, D>(q, kc, vc, cos_t, sin_t, pos_ptr, pos_host, G, head_stride, key_start, s_max, window, scale, softcap,
+                   interleaved, part_m, part_l, part_acc);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last_block = atomicAdd(&counters[h], 1u) == (unsigned)nsplit - 1;
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();
+  attn_merge<T, D>(part_m, part_l, part_acc, out, h, G, nsplit);
+  if (threadIdx.x == 0) counters[h] = 0u;
+}
+
 #define ATTN_INSTANCE(T, NAME, D)                                                                                  \
-  extern "C" __global__ void __launch_bounds__(128) fl_attn_##NAME##_d##D(                                         \
-      const T* q, const T* kc, const T* vc, const float* c, const float* s, const unsigned* pp, unsigned ph, int G, \
-      long hs, int ks, int smax, int win, int chunk, float scale, float cap, int inter, float* pm, float* pl,        \
-      float* pa) {                                                                                                 \
-    attn_partial<T, D>(q, kc, vc, c, s, pp, ph, G, hs, ks, smax, win, chunk, scale, cap, inter, pm, pl, pa);       \
+  extern "C" __global__ void __launch_bounds__(ATTN_THREADS) fl_attn_##NAME##_d##D(                                \
+      const T* q, T* kc, T* vc, const float* c, const float* s, const unsigned* pp, unsigned ph, int G, long hs,    \
+      int ks, int smax, int win, float scale, float cap, int inter, float* pm, float* pl, float* pa, const T* kn,   \
+      const T* vn, unsigned* cnt, T* out) {                                                                        \
+    pdl_prologue();                                                                                                \
+    attn_decode<T, D>(q, kc, vc, c, s, pp, ph, G, hs, ks, smax, win, scale, cap, inter, pm, pl, pa, kn, vn, cnt, out); \
   }
 ATTN_INSTANCE(bf16, bf16, 64)
 ATTN_INSTANCE(bf16, bf16, 128)
@@ -298,34 +568,6 @@ ATTN_INSTANCE(bf16, bf16, 256)
 ATTN_INSTANCE(float, f32, 64)
 ATTN_INSTANCE(float, f32, 128)
 ATTN_INSTANCE(float, f32, 256)
-
-// Merges the splits of attn_partial: grid hq, block D threads; out [hq, D].
-template <typename T>
-__device__ void attn_combine(const float* part_m, const float* part_l, const float* part_acc, T* out, int nsplit, int D) {
-  int hq = blockIdx.x, d = threadIdx.x;
-  if (d >= D) return;
-  const float* pm = part_m + (size_t)hq * nsplit;
-  const float* pl = part_l + (size_t)hq * nsplit;
-  float M = -INFINITY;
-  for (int s = 0; s < nsplit; s++) M = fmaxf(M, pm[s]);
-  float num = 0.f, den = 0.f;
-  if (M != -INFINITY) {
-    for (int s = 0; s < nsplit; s++) {
-      if (pm[s] == -INFINITY) continue;
-      float f = __expf(pm[s] - M);
-      den += pl[s] * f;
-      num += part_acc[((size_t)hq * nsplit + s) * D + d] * f;
-    }
-  }
-  out[(size_t)hq * D + d] = from_f<T>(den > 0.f ? num / den : 0.f);
-}
-
-extern "C" __global__ void fl_attn_combine_bf16(const float* pm, const float* pl, const float* pa, bf16* out, int nsplit, int D) {
-  attn_combine<bf16>(pm, pl, pa, out, nsplit, D);
-}
-extern "C" __global__ void fl_attn_combine_f32(const float* pm, const float* pl, const float* pa, float* out, int nsplit, int D) {
-  attn_combine<float>(pm, pl, pa, out, nsplit, D);
-}
 
 // ---------------------------------------------------------------------------------------------
 // silu(gate) * up, elementwise.
@@ -336,8 +578,8 @@ __device__ void silu_mul(const T* g, const T* u, T* out, size_t n) {
     out[i] = from_f<T>(x / (1.f + __expf(-x)) * to_f(u[i]));
   }
 }
-extern "C" __global__ void fl_silu_mul_bf16(const bf16* g, const bf16* u, bf16* out, size_t n) { silu_mul<bf16>(g, u, out, n); }
-extern "C" __global__ void fl_silu_mul_f32(const float* g, const float* u, float* out, size_t n) { silu_mul<float>(g, u, out, n); }
+extern "C" __global__ void fl_silu_mul_bf16(const bf16* g, const bf16* u, bf16* out, size_t n) { pdl_prologue(); silu_mul<bf16>(g, u, out, n); }
+extern "C" __global__ void fl_silu_mul_f32(const float* g, const float* u, float* out, size_t n) { pdl_prologue(); silu_mul<float>(g, u, out, n); }
 
 // ---------------------------------------------------------------------------------------------
 // y[n] = sum_k x[k] * W[n, k] for one bf16 row x [K] and W [N, K] bf16 row-major (K % 8 == 0):
@@ -387,10 +629,10 @@ __device__ void gemv_bf16(const bf16* __restrict__ x, const bf16* __restrict__ w
   acc = warp_sum(acc);
   if (lane == 0) y[n] = from_f<TO>(acc);
 }
-extern "C" __global__ void __launch_bounds__(256) fl_gemv_bf16(const bf16* x, const bf16* w, bf16* y, int N, int K) {
+extern "C" __global__ void __launch_bounds__(256) fl_gemv_bf16(const bf16* x, const bf16* w, bf16* y, int N, int K) { pdl_prologue();
   gemv_bf16<bf16>(x, w, y, N, K);
 }
-extern "C" __global__ void __launch_bounds__(256) fl_gemv_bf16_f32out(const bf16* x, const bf16* w, float* y, int N, int K) {
+extern "C" __global__ void __launch_bounds__(256) fl_gemv_bf16_f32out(const bf16* x, const bf16* w, float* y, int N, int K) { pdl_prologue();
   gemv_bf16<float>(x, w, y, N, K);
 }
 
@@ -434,9 +676,117 @@ __device__ void gemv_smem_bf16(const bf16* __restrict__ x, const bf16* __restric
   acc = warp_sum(acc);
   if (lane == 0) y[n] = from_f<TO>(acc);
 }
-extern "C" __global__ void __launch_bounds__(256) fl_gemv_smem_bf16(const bf16* x, const bf16* w, bf16* y, int N, int K) {
+extern "C" __global__ void __launch_bounds__(256) fl_gemv_smem_bf16(const bf16* x, const bf16* w, bf16* y, int N, int K) { pdl_prologue();
   gemv_smem_bf16<bf16>(x, w, y, N, K);
 }
+
+// The shared-memory product with the step before and after it fused in, for one decode row
+// (removing a kernel launch and a round trip through memory each):
+//   pro 0: x' = x;
+//   pro 1: x' = RMSNorm(x) · nw (eps), rounded to bf16 as fl_rmsnorm rounds it;
+//   pro 2: x' = silu(x) · x2, rounded to bf16 as fl_silu_mul rounds it;
+//   res non-null: y = bf16(res + bf16(W·x')), the residual add of the unfused composition.
+// Every block prepares x' in shared memory itself (x is a few KB in L2; the block's weight rows
+// are tens of KB from HBM). Needs K/8 uint4 of dynamic shared memory.
+__device__ __forceinline__ uint4 norm8(uint4 v, float inv, const float* nw) {
+  const bf16* e = reinterpret_cast<const bf16*>(&v);
+  float4 w0 = reinterpret_cast<const float4*>(nw)[0], w1 = reinterpret_cast<const float4*>(nw)[1];
+  float ws[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+  uint4 o;
+  bf16* oe = reinterpret_cast<bf16*>(&o);
+#pragma unroll
+  for (int k = 0; k < 8; k++) oe[k] = __float2bfloat16(__bfloat162float(e[k]) * inv * ws[k]);
+  return o;
+}
+__device__ __forceinline__ uint4 silu_mul8(uint4 g, uint4 u) {
+  const bf16* ge = reinterpret_cast<const bf16*>(&g);
+  const bf16* ue = reinterpret_cast<const bf16*>(&u);
+  uint4 o;
+  bf16* oe = reinterpret_cast<bf16*>(&o);
+#pragma unroll
+  for (int k = 0; k < 8; k++) {
+    float a = __bfloat162float(ge[k]);
+    oe[k] = __float2bfloat16(a / (1.f + __expf(-a)) * __bfloat162float(ue[k]));
+  }
+  return o;
+}
+// RPW rows per warp (their loads issued together), weights read with the streaming hint (CS) or
+// through the read-only path; the variants are measured against each other on the GPU.
+template <int RPW, bool CS>
+__device__ void gemv_fused(const bf16* x, const bf16* x2, const float* nw, float eps, int pro, const bf16* w, const bf16* res,
+                           bf16* y, int N, int K) {
+  extern __shared__ uint4 xs[];
+  int nv = K / 8;
+  const uint4* xg = reinterpret_cast<const uint4*>(x);
+  if (pro == 1) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) {
+      uint4 v = xg[i];
+      xs[i] = v;
+      const bf16* e = reinterpret_cast<const bf16*>(&v);
+#pragma unroll
+      for (int k = 0; k < 8; k++) {
+        float f = __bfloat162float(e[k]);
+        ss += f * f;
+      }
+    }
+    ss = block_sum(ss);
+    float inv = rsqrtf(ss / (float)K + eps);
+    // Each thread rewrites only the vectors it stored.
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) xs[i] = norm8(xs[i], inv, nw + 8 * i);
+  } else if (pro == 2) {
+    const uint4* ug = reinterpret_cast<const uint4*>(x2);
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) xs[i] = silu_mul8(xg[i], ug[i]);
+  } else {
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) xs[i] = xg[i];
+  }
+  __syncthreads();
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int n0 = (blockIdx.x * (blockDim.x >> 5) + warp) * RPW;
+  if (n0 >= N) return;
+  const uint4* wr[RPW];
+  float acc[RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; r++) {
+    wr[r] = reinterpret_cast<const uint4*>(w + (size_t)min(n0 + r, N - 1) * K);
+    acc[r] = 0.f;
+  }
+  int i = lane;
+  for (; i + 224 < nv; i += 256) {
+    uint4 wv[RPW][8];
+#pragma unroll
+    for (int r = 0; r < RPW; r++)
+#pragma unroll
+      for (int u = 0; u < 8; u++) wv[r][u] = CS ? __ldcs(wr[r] + i + 32 * u) : __ldg(wr[r] + i + 32 * u);
+#pragma unroll
+    for (int r = 0; r < RPW; r++)
+#pragma unroll
+      for (int u = 0; u < 8; u++) acc[r] = dot8(wv[r][u], xs[i + 32 * u], acc[r]);
+  }
+  for (; i < nv; i += 32) {
+#pragma unroll
+    for (int r = 0; r < RPW; r++) acc[r] = dot8(CS ? __ldcs(wr[r] + i) : __ldg(wr[r] + i), xs[i], acc[r]);
+  }
+#pragma unroll
+  for (int r = 0; r < RPW; r++) {
+    float a = warp_sum(acc[r]);
+    int n = n0 + r;
+    if (lane == 0 && n < N) {
+      float v = res ? __bfloat162float(res[n]) + __bfloat162float(__float2bfloat16(a)) : a;
+      y[n] = __float2bfloat16(v);
+    }
+  }
+}
+#define GEMV_FUSED(NAME, RPW, CS)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(256) NAME(const bf16* x, const bf16* x2, const float* nw, float eps, \
+                                                         int pro, const bf16* w, const bf16* res, bf16* y, int N, int K) { \
+    pdl_prologue();                                                                                               \
+    gemv_fused<RPW, CS>(x, x2, nw, eps, pro, w, res, y, N, K);                                                    \
+  }
+GEMV_FUSED(fl_gemv_fused_bf16, 1, true)
+GEMV_FUSED(fl_gemv_fused_r2_bf16, 2, true)
+GEMV_FUSED(fl_gemv_fused_ldg_bf16, 1, false)
+GEMV_FUSED(fl_gemv_fused_r2ldg_bf16, 2, false)
 
 // ---------------------------------------------------------------------------------------------
 // Causal (and windowed, soft-capped) softmax of raw attention scores for a prefill: scores
@@ -492,44 +842,58 @@ __device__ void masked_softmax(const T* scores, T* probs, int S, int T_, unsigne
     out[j] = from_f<T>(p);
   }
 }
-extern "C" __global__ void fl_masked_softmax_bf16(const bf16* x, bf16* o, int S, int T_, unsigned qs, unsigned ks, int w, float sc, float cap) {
+extern "C" __global__ void fl_masked_softmax_bf16(const bf16* x, bf16* o, int S, int T_, unsigned qs, unsigned ks, int w, float sc, float cap) { pdl_prologue();
   masked_softmax<bf16>(x, o, S, T_, qs, ks, w, sc, cap);
 }
-extern "C" __global__ void fl_masked_softmax_f32(const float* x, float* o, int S, int T_, unsigned qs, unsigned ks, int w, float sc, float cap) {
+extern "C" __global__ void fl_masked_softmax_f32(const float* x, float* o, int S, int T_, unsigned qs, unsigned ks, int w, float sc, float cap) { pdl_prologue();
   masked_softmax<float>(x, o, S, T_, qs, ks, w, sc, cap);
 }
 
 // ---------------------------------------------------------------------------------------------
-// Index of the largest of n floats (the first one on ties; NaN counts as smallest) into dst[0].
-// One block of 1024 threads.
-extern "C" __global__ void __launch_bounds__(1024) fl_argmax_f32(const float* x, unsigned* dst, int n) {
-  __shared__ float bv[1024];
-  __shared__ int bi[1024];
+// Index of the largest of n floats (the first one on ties; NaN counts as smallest) into dst[0],
+// in two passes: fl_argmax_partial (many blocks, each over a contiguous range) writes each
+// block's best value and index, fl_argmax_final (one block) reduces them. A single block over a
+// 128k vocabulary is a long serial scan.
+__device__ __forceinline__ bool argmax_better(float v, int i, float bv, int bi) {
+  if (v != v || i == 0x7fffffff) return false;
+  return bi == 0x7fffffff || v > bv || (v == bv && i < bi);
+}
+__device__ void argmax_block(float* best, int* idx) {
+  __shared__ float bv[32];
+  __shared__ int bi[32];
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    float ov = __shfl_xor_sync(0xffffffffu, *best, o);
+    int oi = __shfl_xor_sync(0xffffffffu, *idx, o);
+    if (argmax_better(ov, oi, *best, *idx)) { *best = ov; *idx = oi; }
+  }
+  if (lane == 0) { bv[warp] = *best; bi[warp] = *idx; }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++)
+      if (argmax_better(bv[w], bi[w], *best, *idx)) { *best = bv[w]; *idx = bi[w]; }
+  }
+}
+extern "C" __global__ void __launch_bounds__(256) fl_argmax_partial_f32(const float* x, float* pv, int* pi, int n, int per) { pdl_prologue();
+  int lo = blockIdx.x * per, hi = min(n, lo + per);
   float best = -INFINITY;
   int idx = 0x7fffffff;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
     float v = x[i];
-    if (v > best || (idx == 0x7fffffff && !(v != v))) {
-      best = v;
-      idx = i;
-    }
+    if (argmax_better(v, i, best, idx)) { best = v; idx = i; }
   }
-  bv[threadIdx.x] = best;
-  bi[threadIdx.x] = idx;
-  __syncthreads();
-  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-    if ((int)threadIdx.x < s) {
-      float ov = bv[threadIdx.x + s];
-      int oi = bi[threadIdx.x + s];
-      if (ov > bv[threadIdx.x] || (ov == bv[threadIdx.x] && oi < bi[threadIdx.x])) {
-        bv[threadIdx.x] = ov;
-        bi[threadIdx.x] = oi;
-      }
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) dst[0] = bi[0] == 0x7fffffff ? 0u : (unsigned)bi[0];
+  argmax_block(&best, &idx);
+  if (threadIdx.x == 0) { pv[blockIdx.x] = best; pi[blockIdx.x] = idx; }
+}
+extern "C" __global__ void __launch_bounds__(256) fl_argmax_final(const float* pv, const int* pi, unsigned* dst, int parts) { pdl_prologue();
+  float best = -INFINITY;
+  int idx = 0x7fffffff;
+  for (int i = threadIdx.x; i < parts; i += blockDim.x)
+    if (argmax_better(pv[i], pi[i], best, idx)) { best = pv[i]; idx = pi[i]; }
+  argmax_block(&best, &idx);
+  if (threadIdx.x == 0) dst[0] = idx == 0x7fffffff ? 0u : (unsigned)idx;
 }
 
 // p[0] += 1 (the decode position, advanced inside the captured step).
-extern "C" __global__ void fl_increment_u32(unsigned* p) { p[0] += 1u; }
+extern "C" __global__ void fl_increment_u32(unsigned* p) { pdl_prologue(); p[0] += 1u; }

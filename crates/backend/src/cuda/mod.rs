@@ -8,8 +8,8 @@
 //!
 //! Debug levers, read once: `FERROLM_CUDA_KERNELS=0` turns every ferrolm kernel off (candle ops
 //! only), `FERROLM_CUDA_GEMV=0` only the batch-1 matrix-vector kernel (cuBLAS instead),
-//! `FERROLM_CUDA_GEMV=smem` picks its shared-memory variant, `FERROLM_CUDA_SOFTMAX=1` turns on
-//! the fused masked softmax for prefill attention (both not yet validated on a GPU).
+//! `FERROLM_CUDA_GEMV=smem` picks its shared-memory variant, `FERROLM_CUDA_SOFTMAX=0` turns off
+//! the fused masked softmax of prefill attention (candle's mask + softmax instead).
 
 use candle_core::cuda_backend::cudarc::driver::{sys, DevicePtr};
 use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice};
@@ -54,9 +54,10 @@ pub struct Policy {
     pub gemv: bool,
     /// `FERROLM_CUDA_GEMV=smem`: the matrix-vector kernel that stages x in shared memory.
     pub gemv_smem: bool,
-    /// `FERROLM_CUDA_SOFTMAX=1`: prefill attention through the fused masked-softmax kernel.
-    /// Opt-in until it has passed the self-checks on a GPU (written after the last GPU run).
+    /// Prefill attention through the fused masked-softmax kernel (`FERROLM_CUDA_SOFTMAX=0`: off).
     pub masked_softmax: bool,
+    /// `FERROLM_CUDA_PDL=1`: programmatic dependent launch (see `launch_raw`).
+    pub pdl: bool,
 }
 
 pub fn policy() -> Policy {
@@ -65,8 +66,9 @@ pub fn policy() -> Policy {
         let off = |k: &str| std::env::var(k).is_ok_and(|v| v == "0");
         let kernels = !off("FERROLM_CUDA_KERNELS");
         let smem = std::env::var("FERROLM_CUDA_GEMV").is_ok_and(|v| v == "smem");
-        let softmax = std::env::var("FERROLM_CUDA_SOFTMAX").is_ok_and(|v| v == "1");
-        Policy { kernels, gemv: kernels && !off("FERROLM_CUDA_GEMV"), gemv_smem: kernels && smem, masked_softmax: kernels && softmax }
+        let softmax = !off("FERROLM_CUDA_SOFTMAX");
+        let pdl = std::env::var("FERROLM_CUDA_PDL").is_ok_and(|v| v == "1");
+        Policy { kernels, gemv: kernels && !off("FERROLM_CUDA_GEMV"), gemv_smem: kernels && smem, masked_softmax: kernels && softmax, pdl }
     })
 }
 
@@ -122,6 +124,9 @@ pub(crate) fn pos_args(pos: Pos<'_>) -> Result<(u64, u32)> {
 /// A fresh contiguous tensor of `shape` on `dev` (contents unset until a kernel writes them).
 pub(crate) fn alloc(dev: &CudaDevice, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
     let shape = shape.into();
+    if let Some(t) = arena::take(&shape, dtype)? {
+        return Ok(t);
+    }
     let n = shape.elem_count();
     // SAFETY: every caller launches a kernel that writes all n elements before the tensor is read.
     let slice = unsafe {
@@ -133,7 +138,20 @@ pub(crate) fn alloc(dev: &CudaDevice, shape: impl Into<Shape>, dtype: DType) -> 
         }
     };
     let storage = Storage::Cuda(CudaStorage { slice, device: dev.clone() });
-    Ok(Tensor::from_storage(storage, shape, candle_core::op::BackpropOp::none(), false))
+    let t = Tensor::from_storage(storage, shape, candle_core::op::BackpropOp::none(), false);
+    arena::keep(&t);
+    Ok(t)
+}
+
+/// A u32 buffer of `n` zeros on `dev`. Inside a step replayed from the arena it is the buffer
+/// the warm-up zeroed, not zeroed again: callers must leave it at zero when done.
+pub(crate) fn alloc_zeroed_u32(dev: &CudaDevice, n: usize) -> Result<Tensor> {
+    if let Some(t) = arena::take(&Shape::from(n), DType::U32)? {
+        return Ok(t);
+    }
+    let t = Tensor::zeros(n, DType::U32, &Device::Cuda(dev.clone()))?;
+    arena::keep(&t);
+    Ok(t)
 }
 
 /// Kernel-name suffix of a dtype ferrolm's kernels take.
@@ -149,19 +167,58 @@ pub(crate) fn suffix(dtype: DType) -> Option<&'static str> {
 /// Each argument is bound to a local that lives until the launch.
 macro_rules! launch {
     ($dev:expr, $name:expr, $grid:expr, $block:expr, $($arg:expr),* $(,)?) => {{
-        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-        use candle_core::cuda_backend::WrapErr;
         let func = $dev.get_or_load_custom_func($name, $crate::cuda::MODULE, $crate::cuda::PTX)?;
-        let mut builder = func.builder();
+        let grid: (u32, u32, u32) = $grid;
+        let smem = $crate::cuda::launch_smem();
+        let mut params: Vec<*mut std::ffi::c_void> = Vec::new();
         $(
+            // Shadowed, not dropped: every argument lives until the end of this block.
             let arg = $arg;
-            builder.arg(&arg);
+            params.push(&arg as *const _ as *mut std::ffi::c_void);
         )*
-        let cfg = LaunchConfig { grid_dim: $grid, block_dim: ($block, 1, 1), shared_mem_bytes: $crate::cuda::launch_smem() };
+        let span = $crate::cuda::profile::begin(&$dev);
         // SAFETY: the wrappers in ops.rs pass the argument list each kernel declares in
         // kernels.cu, with pointers to live device buffers of the sizes the kernel indexes.
-        unsafe { builder.launch(cfg) }.w()?;
+        unsafe { $crate::cuda::launch_raw(&$dev, func.cu_function(), grid, $block, smem, &mut params) }?;
+        $crate::cuda::profile::end(&$dev, span, $name, grid);
     }};
+}
+
+/// Launches `f` on the device's stream with `params` (pointers to each argument). With
+/// `FERROLM_CUDA_PDL=1` the launch allows programmatic dependent launch: the kernel may be
+/// scheduled while the previous one drains, and waits (`griddepcontrol.wait`, the first thing
+/// every kernel in kernels.cu does) before touching memory, hiding the launch gap between the
+/// short kernels of a decode step.
+///
+/// # Safety
+/// `params` must match the kernel's parameter list, pointing at live values.
+pub(crate) unsafe fn launch_raw(
+    dev: &CudaDevice,
+    f: sys::CUfunction,
+    grid: (u32, u32, u32),
+    block: u32,
+    smem: u32,
+    params: &mut [*mut std::ffi::c_void],
+) -> Result<()> {
+    use candle_core::cuda_backend::WrapErr;
+    let stream = dev.cuda_stream();
+    stream.context().bind_to_thread().w()?;
+    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let cfg = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: smem,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: policy().pdl as u32,
+    };
+    sys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()).result().w()
 }
 
 thread_local! {
@@ -178,6 +235,10 @@ pub(crate) fn with_smem(bytes: u32) {
     SMEM.with(|c| c.set(bytes));
 }
 
+pub mod arena;
 pub mod graph;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod ops;
+pub mod profile;
 pub mod selftest;

@@ -7,8 +7,10 @@ use candle_core::{DType, Result, Tensor};
 
 /// Keys per split of the decode attention: split boundaries are multiples of this whatever the
 /// buffer length, so a step over a narrowed view and one over the whole buffer sum identically.
-pub const ATTN_CHUNK: usize = 256;
+pub const ATTN_CHUNK: usize = 64; // = ATTN_CHUNK in kernels.cu
 const ATTN_MAX_G: usize = 8;
+/// 16-byte vectors per thread of `fl_rmsnorm_vec_bf16` (RMS_VECS in kernels.cu).
+const RMS_VECS: usize = 4;
 
 fn on(t: &Tensor) -> Option<(candle_core::cuda_backend::CudaDevice, &'static str)> {
     if !policy().kernels || !t.is_contiguous() {
@@ -53,7 +55,17 @@ fn norm(x: &Tensor, r: Option<&Tensor>, w: &Tensor, eps: f32) -> Result<Option<(
         Some(r) => (ptr(r)?, base, base + half_bytes),
         None => (0u64, 0u64, base),
     };
-    launch!(dev, &format!("fl_rmsnorm_{sfx}"), (rows as u32, 1, 1), 256, ptr(x)?, rp, sp, op, ptr(w)?, cols as i32, eps);
+    let nv = cols / 8;
+    let vectorized = x.dtype() == DType::BF16
+        && cols % 8 == 0
+        && nv <= RMS_VECS * 1024
+        && [ptr(x)?, rp, sp, op, ptr(w)?].iter().all(|p| p % 16 == 0);
+    if vectorized {
+        let threads = (nv.div_ceil(32) * 32).min(1024) as u32;
+        launch!(dev, "fl_rmsnorm_vec_bf16", (rows as u32, 1, 1), threads, ptr(x)?, rp, sp, op, ptr(w)?, cols as i32, eps);
+    } else {
+        launch!(dev, &format!("fl_rmsnorm_{sfx}"), (rows as u32, 1, 1), 256, ptr(x)?, rp, sp, op, ptr(w)?, cols as i32, eps);
+    }
     let normed = out.narrow(0, halves - 1, 1)?.squeeze(0)?;
     let sum = match r {
         Some(_) => Some(out.narrow(0, 0, 1)?.squeeze(0)?),
@@ -120,6 +132,8 @@ pub fn kv_append(kc: &Tensor, vc: &Tensor, k: &Tensor, v: &Tensor, rope: Option<
 /// Single-query attention: `q [1, hq, dim]` (rotated first when `rope` is given) over `kc`, `vc`
 /// `[kv_heads, S, dim]` (token stride dim, any head stride: a narrowed cache view or the whole
 /// buffer). The query sits at `pos`; key j is at `key_start + j`. Returns `[1, hq·dim]`.
+/// With `append`, the token's own key and value (`[1, kv_heads, dim]`, the key rotated on the
+/// way when `rope` is given) are first written at key `pos - key_start`, as `kv_append` would.
 pub struct DecodeAttention<'a> {
     pub q: &'a Tensor,
     pub k: &'a Tensor,
@@ -128,6 +142,7 @@ pub struct DecodeAttention<'a> {
     pub pos: Pos<'a>,
     pub key_start: usize,
     pub params: &'a AttentionParams,
+    pub append: Option<(&'a Tensor, &'a Tensor)>,
 }
 
 pub fn attend_decode(a: &DecodeAttention<'_>) -> Result<Option<Tensor>> {
@@ -147,9 +162,18 @@ pub fn attend_decode(a: &DecodeAttention<'_>) -> Result<Option<Tensor>> {
         && ks[2] == 1
         && ks == vs
         && cuda_device(a.k).is_some();
-    if !ok || s == 0 {
+    // 16-byte vector loads of K and V rows.
+    let row_bytes = d * a.k.dtype().size_in_bytes();
+    let aligned = |t: &Tensor| -> Result<bool> { Ok(ptr(t)? % 16 == 0 && (t.stride()[0] * t.dtype().size_in_bytes()) % 16 == 0) };
+    if !ok || s == 0 || row_bytes % 16 != 0 || !aligned(a.k)? || !aligned(a.v)? {
         return Ok(None);
     }
+    let new_row = |t: &Tensor| t.dtype() == a.q.dtype() && t.is_contiguous() && t.dims() == [1, hkv, d];
+    let (kn, vn) = match a.append {
+        Some((k, v)) if new_row(k) && new_row(v) && cuda_device(k).is_some() && cuda_device(v).is_some() => (ptr(k)?, ptr(v)?),
+        Some(_) => return Ok(None),
+        None => (0, 0),
+    };
     let (cp, sp, inter) = match a.rope {
         Some(r) if f32_on_device(r.cos) && f32_on_device(r.sin) => (ptr(r.cos)?, ptr(r.sin)?, r.interleaved),
         Some(_) => return Ok(None),
@@ -161,17 +185,17 @@ pub fn attend_decode(a: &DecodeAttention<'_>) -> Result<Option<Tensor>> {
     let part_m = alloc(&dev, rows, DType::F32)?;
     let part_l = alloc(&dev, rows, DType::F32)?;
     let part_acc = alloc(&dev, rows * d, DType::F32)?;
+    // Finished-block counters of the in-kernel merge: zero before the first step, and the last
+    // block of each head leaves its counter at zero again.
+    let counters = super::alloc_zeroed_u32(&dev, hkv)?;
+    let out = alloc(&dev, (1, hq * d), a.q.dtype())?;
     let p = a.params;
     launch!(
         dev, &format!("fl_attn_{sfx}_d{d}"), (hkv as u32, nsplit as u32, 1), 128,
         ptr(a.q)?, ptr(a.k)?, ptr(a.v)?, cp, sp, pp, ph, (hq / hkv) as i32, ks[0] as i64,
-        a.key_start as i32, s as i32, p.window.unwrap_or(0) as i32, ATTN_CHUNK as i32, p.scale,
-        p.softcap.unwrap_or(0.0), inter as i32, ptr(&part_m)?, ptr(&part_l)?, ptr(&part_acc)?
-    );
-    let out = alloc(&dev, (1, hq * d), a.q.dtype())?;
-    launch!(
-        dev, &format!("fl_attn_combine_{sfx}"), (hq as u32, 1, 1), d as u32,
-        ptr(&part_m)?, ptr(&part_l)?, ptr(&part_acc)?, ptr(&out)?, nsplit as i32, d as i32
+        a.key_start as i32, s as i32, p.window.unwrap_or(0) as i32, p.scale,
+        p.softcap.unwrap_or(0.0), inter as i32, ptr(&part_m)?, ptr(&part_l)?, ptr(&part_acc)?,
+        kn, vn, ptr(&counters)?, ptr(&out)?
     );
     Ok(Some(out))
 }
@@ -217,13 +241,79 @@ pub fn gemv(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     Ok(Some(out))
 }
 
-/// dst[0] = argmax of the f32 `logits` (first index on ties). Returns false when not applicable.
+/// How the input row of [`gemv_fused`] is prepared.
+#[derive(Clone, Copy)]
+pub enum GemvInput<'a> {
+    Plain(&'a Tensor),
+    /// RMSNorm(x) with f32 weights and eps.
+    Normed(&'a Tensor, &'a Tensor, f32),
+    /// silu(gate) · up.
+    SiluMul(&'a Tensor, &'a Tensor),
+}
+
+/// y = W·x' (+ residual) for one bf16 row, x' prepared from the input as `input` says, in one
+/// kernel (`fl_gemv_fused_bf16`). `w [N, K]` bf16; returns `[1, N]`.
+pub fn gemv_fused(input: GemvInput<'_>, w: &Tensor, residual: Option<&Tensor>) -> Result<Option<Tensor>> {
+    let (x, x2, nw, eps, pro) = match input {
+        GemvInput::Plain(x) => (x, None, None, 0.0, 0),
+        GemvInput::Normed(x, nw, eps) => (x, None, Some(nw), eps, 1),
+        GemvInput::SiluMul(g, u) => (g, Some(u), None, 0.0, 2),
+    };
+    if !policy().gemv || x.dtype() != DType::BF16 || w.dtype() != DType::BF16 || !w.is_contiguous() {
+        return Ok(None);
+    }
+    let Some((dev, _)) = on(x) else { return Ok(None) };
+    let Ok((n, k)) = w.dims2() else { return Ok(None) };
+    let row = |t: &Tensor| t.dtype() == DType::BF16 && t.is_contiguous() && t.elem_count() == k && cuda_device(t).is_some();
+    let ok = row(x)
+        && x2.is_none_or(row)
+        && nw.is_none_or(|t| f32_on_device(t) && t.elem_count() == k)
+        && residual.is_none_or(|r| r.dtype() == DType::BF16 && r.is_contiguous() && r.elem_count() == n)
+        && k % 8 == 0
+        && k * 2 <= 48 * 1024;
+    if !ok {
+        return Ok(None);
+    }
+    let opt = |t: Option<&Tensor>| t.map_or(Ok(0u64), ptr);
+    let (xp, x2p, nwp, wp, rp) = (ptr(x)?, opt(x2)?, opt(nw)?, ptr(w)?, opt(residual)?);
+    if [xp, x2p, nwp, wp].iter().any(|p| p % 16 != 0) {
+        return Ok(None);
+    }
+    let out = alloc(&dev, (1, n), DType::BF16)?;
+    let (name, rows_per_warp) = gemv_variant();
+    super::with_smem((k * 2) as u32);
+    launch!(
+        dev, name, (n.div_ceil(8 * rows_per_warp) as u32, 1, 1), 256,
+        xp, x2p, nwp, eps, pro as i32, wp, rp, ptr(&out)?, n as i32, k as i32
+    );
+    Ok(Some(out))
+}
+
+/// The fused matrix-vector kernel's variant (`FERROLM_CUDA_GEMV_VARIANT`: r2, ldg, r2ldg; see
+/// kernels.cu) and its rows per warp.
+fn gemv_variant() -> (&'static str, usize) {
+    static V: std::sync::OnceLock<(&'static str, usize)> = std::sync::OnceLock::new();
+    *V.get_or_init(|| match std::env::var("FERROLM_CUDA_GEMV_VARIANT").as_deref() {
+        Ok("r2") => ("fl_gemv_fused_r2_bf16", 2),
+        Ok("ldg") => ("fl_gemv_fused_ldg_bf16", 1),
+        Ok("r2ldg") => ("fl_gemv_fused_r2ldg_bf16", 2),
+        _ => ("fl_gemv_fused_bf16", 1),
+    })
+}
+
+/// dst[0] = argmax of the f32 `logits`/// dst[0] = argmax of the f32 `logits` (first index on ties). Returns false when not applicable.
 pub fn argmax_into(logits: &Tensor, dst: &Tensor) -> Result<bool> {
     if !policy().kernels || !f32_on_device(logits) || dst.dtype() != DType::U32 || cuda_device(dst).is_none() {
         return Ok(false);
     }
     let dev = cuda_device(logits).unwrap();
-    launch!(dev, "fl_argmax_f32", (1, 1, 1), 1024, ptr(logits)?, ptr(dst)?, logits.elem_count() as i32);
+    let n = logits.elem_count();
+    let parts = n.div_ceil(2048).clamp(1, 256);
+    let per = n.div_ceil(parts);
+    let best = alloc(&dev, parts, DType::F32)?;
+    let index = alloc(&dev, parts, DType::U32)?;
+    launch!(dev, "fl_argmax_partial_f32", (parts as u32, 1, 1), 256, ptr(logits)?, ptr(&best)?, ptr(&index)?, n as i32, per as i32);
+    launch!(dev, "fl_argmax_final", (1, 1, 1), 256, ptr(&best)?, ptr(&index)?, ptr(dst)?, parts as i32);
     Ok(true)
 }
 

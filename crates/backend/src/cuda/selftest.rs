@@ -84,6 +84,9 @@ pub fn run(dev: &Device) -> Result<Vec<Check>> {
         let want = x.to_dtype(DType::F32)?.matmul(&w.to_dtype(DType::F32)?.t()?)?;
         out.push(Check { name: format!("gemv bf16 {n}x{k}"), error: rel(&got, &want)?, bound: 1e-2 });
     }
+    for (n, k) in [(3072, 2048), (4096, 14336)] {
+        out.extend(check_gemv_fused(dev, n, k)?);
+    }
     let logits = randn(128256, DType::F32, dev)?;
     let dst = Tensor::zeros(1, DType::U32, dev)?;
     crate::ops::argmax_into(&logits, &dst)?;
@@ -92,6 +95,28 @@ pub fn run(dev: &Device) -> Result<Vec<Check>> {
     out.push(Check { name: "argmax (exact)".into(), error: (got != want) as u8 as f64, bound: 0.0 });
     out.push(check_graph(dev)?);
     Ok(out)
+}
+
+/// The fused matrix-vector kernel (norm or silu·mul before, residual add after) against the
+/// separate kernels.
+fn check_gemv_fused(dev: &Device, n: usize, k: usize) -> Result<Vec<Check>> {
+    use ops::GemvInput;
+    let bf = DType::BF16;
+    let x = randn((1, k), bf, dev)?;
+    let u = randn((1, k), bf, dev)?;
+    let r = randn((1, n), bf, dev)?;
+    let nw = (randn(k, DType::F32, dev)? + 1.0)?;
+    let w = (randn((n, k), bf, dev)? * 0.05)?.to_dtype(bf)?;
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+    let product = |x: &Tensor| x.to_dtype(DType::F32)?.matmul(&f32(&w)?.t()?);
+    let normed = need(ops::gemv_fused(GemvInput::Normed(&x, &nw, 1e-5), &w, None)?, "gemv_fused normed")?;
+    let want = product(&candle_nn::ops::rms_norm(&f32(&x)?, &nw, 1e-5)?)?;
+    let swiglu = need(ops::gemv_fused(GemvInput::SiluMul(&x, &u), &w, Some(&r))?, "gemv_fused silu")?;
+    let want_swiglu = (product(&(candle_nn::ops::silu(&f32(&x)?)? * f32(&u)?)?)? + f32(&r)?)?;
+    Ok(vec![
+        Check { name: format!("gemv fused rmsnorm {n}x{k}"), error: rel(&normed, &want)?, bound: 1e-2 },
+        Check { name: format!("gemv fused silu*mul + residual {n}x{k}"), error: rel(&swiglu, &want_swiglu)?, bound: 1e-2 },
+    ])
 }
 
 /// Decode attention (host position, over a narrowed view) against the reference composition,
@@ -121,8 +146,12 @@ fn check_attention(dev: &Device, hq: usize, hkv: usize, d: usize, s: usize, wind
     let (kc2, vc2) = (kc.copy()?, vc.copy()?);
     let posd = Tensor::new(&[(s - 1) as u32], dev)?;
     need(ops::kv_append(&kc2, &vc2, &kn, &vn, Some(tables), Pos::Device(&posd))?.then_some(()), "kv_append")?;
-    let a = DecodeAttention { q: &q, k: &kc2, v: &vc2, rope: Some(tables), pos: Pos::Device(&posd), key_start: 0, params: &p };
+    let a = DecodeAttention { q: &q, k: &kc2, v: &vc2, rope: Some(tables), pos: Pos::Device(&posd), key_start: 0, params: &p, append: None };
     let got_static = need(ops::attend_decode(&a)?, "attend_decode static")?;
+    // The same step with the append done inside the attention kernel.
+    let (kc4, vc4) = (kc.copy()?, vc.copy()?);
+    let fused = DecodeAttention { k: &kc4, v: &vc4, append: Some((&kn, &vn)), ..a };
+    let got_fused = need(ops::attend_decode(&fused)?, "attend_decode with append")?;
     let (kc3, vc3) = (kc.copy()?, vc.copy()?);
     kc3.slice_set(&rope.apply(&kn, s - 1)?.transpose(0, 1)?.contiguous()?, 1, s - 1)?;
     vc3.slice_set(&vn.transpose(0, 1)?.contiguous()?, 1, s - 1)?;
@@ -130,6 +159,8 @@ fn check_attention(dev: &Device, hq: usize, hkv: usize, d: usize, s: usize, wind
     checks.push(Check { name: format!("{name} device pos = host pos (exact)"), error: rel(&got_static, &host)?, bound: 0.0 });
     let written = rel(&kc2.narrow(1, s - 1, 1)?, &kc3.narrow(1, s - 1, 1)?)?;
     checks.push(Check { name: format!("kv append d={d} (exact)"), error: written, bound: 0.0 });
+    let appended = rel(&kc4.narrow(1, s - 1, 1)?, &kc3.narrow(1, s - 1, 1)?)? + rel(&vc4.narrow(1, s - 1, 1)?, &vc3.narrow(1, s - 1, 1)?)?;
+    checks.push(Check { name: format!("{name} append in kernel (exact)"), error: rel(&got_fused, &got_static)? + appended, bound: 0.0 });
     Ok(checks)
 }
 

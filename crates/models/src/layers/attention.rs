@@ -3,7 +3,7 @@ use candle_core::{Result, Tensor};
 use ferrolm_backend::attention::Positions;
 use ferrolm_backend::attention_device::{append_and_attend, StaticStep};
 use ferrolm_backend::norm::RmsNorm;
-use ferrolm_backend::{attend, AttentionParams, Linear, Rope};
+use ferrolm_backend::{attend, AttentionParams, Linear, Rope, RowInput};
 use ferrolm_kv::KvCache;
 use std::sync::Arc;
 
@@ -60,26 +60,30 @@ impl SelfAttention {
         self.o.forward(&attn)
     }
 
-    /// One token `[1, hidden]` at the device position `pos`, its key and value written in place
-    /// into the whole buffers `cache_k`, `cache_v` (see `CausalLm::decode_static`).
-    pub fn forward_static(&self, x: &Tensor, pos: &Tensor, cache_k: &Tensor, cache_v: &Tensor) -> Result<Tensor> {
+    /// One token at the device position `pos`, its key and value written in place into the
+    /// whole buffers `cache_k`, `cache_v` (see `CausalLm::decode_static`): returns the residual
+    /// stream after this block, `x + o(attention(norm(x)))`, with the norm fused into the QKV
+    /// product and the residual add into the output product where the backend can.
+    pub fn forward_static(&self, x: &Tensor, norm: &RmsNorm, pos: &Tensor, cache_k: &Tensor, cache_v: &Tensor) -> Result<Tensor> {
         let c = &self.cfg;
-        let (q, k, v) = self.project(x)?;
+        let (q, k, v) = self.heads(self.qkv.forward_row(RowInput::Normed(x, norm))?, 1)?;
         let (q, k) = match (&self.q_norm, &self.k_norm) {
             (Some(qn), Some(kn)) => (qn.forward(&q)?, kn.forward(&k)?),
             _ => (q, k),
         };
         let step = StaticStep { q: &q, k: &k, v: &v, rope: &self.rope, cache_k, cache_v, pos, params: &c.params };
-        self.o.forward(&append_and_attend(&step)?)
+        self.o.forward_row(RowInput::Plain(&append_and_attend(&step)?), Some(x))
     }
 
     /// x `[tokens, hidden]` → q `[tokens, heads, head_dim]`, k and v `[tokens, kv_heads, head_dim]`.
     fn project(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        self.heads(self.qkv.forward(x)?, x.dims()[0])
+    }
+
+    /// The Q, K and V projections' outputs `[tokens, ·]` split into heads.
+    fn heads(&self, qkv: Vec<Tensor>, tokens: usize) -> Result<(Tensor, Tensor, Tensor)> {
         let c = &self.cfg;
-        let tokens = x.dims()[0];
-        let [q, k, v]: [Tensor; 3] = self
-            .qkv
-            .forward(x)?
+        let [q, k, v]: [Tensor; 3] = qkv
             .try_into()
             .map_err(|_| candle_core::Error::Msg("qkv: expected three projections".into()))?;
         Ok((

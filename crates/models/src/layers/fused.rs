@@ -1,5 +1,5 @@
 use candle_core::{Device, Result, Tensor, D};
-use ferrolm_backend::{Linear, Weight};
+use ferrolm_backend::{Linear, RowInput, Weight};
 
 /// Projections of one input (Q|K|V, gate|up), run as one stacked product when the backend can
 /// (same format and width), else one by one. `forward` returns each projection's output.
@@ -21,17 +21,18 @@ impl FusedLinear {
     pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         match self {
             Self::Separate(parts) => parts.iter().map(|l| l.forward(x)).collect(),
-            Self::Stacked { linear, widths } => {
-                let y = linear.forward(x)?;
-                let mut start = 0;
-                widths
-                    .iter()
-                    .map(|&w| {
-                        let part = y.narrow(D::Minus1, start, w);
-                        start += w;
-                        part
-                    })
-                    .collect()
+            Self::Stacked { linear, widths } => split(linear.forward(x)?, widths),
+        }
+    }
+
+    /// One decode row, its input made as `input` says (fused into the product where the backend
+    /// can, see `Linear::forward_row`); returns each projection's output.
+    pub fn forward_row(&self, input: RowInput<'_>) -> Result<Vec<Tensor>> {
+        match self {
+            Self::Stacked { linear, widths } => split(linear.forward_row(input, None)?, widths),
+            Self::Separate(parts) => {
+                let x = input.compose()?;
+                parts.iter().map(|l| l.forward(&x)).collect()
             }
         }
     }
@@ -42,4 +43,17 @@ impl FusedLinear {
             Self::Separate(parts) => parts.iter().map(Linear::weight_bytes).sum(),
         }
     }
+}
+
+/// The side-by-side outputs of a stacked product, one view per projection.
+fn split(y: Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {
+    let mut start = 0;
+    widths
+        .iter()
+        .map(|&w| {
+            let part = y.narrow(D::Minus1, start, w);
+            start += w;
+            part
+        })
+        .collect()
 }

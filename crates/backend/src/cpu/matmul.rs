@@ -6,6 +6,8 @@
 //! - Several tokens (prefill): 32- or 16-row panels of W are dequantized once into a transposed
 //!   f32 scratch panel, then a register-blocked micro-kernel multiplies it with every token
 //!   (`gemm`), so dequantization is paid once per panel, not once per token.
+//! - Quantized formats on AVX-512 VNNI, unless exact activations are asked for: 8-bit
+//!   activations, `vnni::gemv` for one token and `vnni_gemm::gemm` for several.
 
 use super::formats::{self, Block, Format};
 use super::micro::{self, MicroKernel};

@@ -1,9 +1,10 @@
 //! CPU kernels: quantized and dense matrix products.
 //!
-//! Activations are f32 and weights are dequantized block by block, except for decode (one token)
-//! on quantized weights with AVX-512 VNNI, where the activation row is quantized to 8 bits as
-//! llama.cpp does (`vnni`): faster, but it moves logits slightly (up to ~2 on small models), so
-//! `set_exact_activations(true)` or `FERROLM_CPU_EXACT=1` keeps f32 activations. Kernels are
+//! Activations are f32 and weights are dequantized block by block, except for quantized weights
+//! on AVX-512 VNNI, where activation rows are quantized to 8 bits as llama.cpp does (`vnni` for
+//! decode, `vnni_gemm` for prefill): faster, but it moves logits slightly (up to ~2 on small
+//! models), so `set_exact_activations(true)` or `FERROLM_CPU_EXACT=1` keeps f32 activations.
+//! Prefill attention runs on the GEMM micro-kernels (`attn`). Kernels are
 //! written as plain Rust over fixed-size lanes and compiled several times for different x86
 //! feature levels (`multiversion!`), chosen once at run time; other CPUs get the portable build.
 

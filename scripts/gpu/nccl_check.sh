@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The NCCL reducer on the GPU machine, where only one GPU is lent: loads a model through the
+# tensor-parallel path at world 1 (FERROLM_TENSOR_PARALLEL_LOADER=1), so NCCL starts, and every
+# block's reduce runs through ncclGroupStart/ncclReduce/ncclGroupEnd; greedy tokens must equal the
+# unsplit model's. Needs gpu-carry/ferrolm.xz built with `NCCL=1 bash scripts/gpu/build.sh` and
+# the models of make_models.py. libnccl comes from PyTorch's wheels on the GPU machine.
+#   run(command="bash scripts/gpu/nccl_check.sh MODEL", carry=["gpu-carry"])
+set -uo pipefail
+W=/tmp/ferrolm-gpu
+mkdir -p "$W/bin" "$W/models"
+m=${1:-llama-3.2-1b}
+site=$(python -c "import site; print(site.getsitepackages()[0])")
+nccl=$(dirname "$(find "$site" -name 'libnccl.so.2' | head -1)")
+echo "libnccl: $nccl"
+export LD_LIBRARY_PATH=$nccl:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export NCCL_NVLS_ENABLE=0
+xz -dc gpu-carry/ferrolm.xz > "$W/bin/ferrolm-nccl" && chmod +x "$W/bin/ferrolm-nccl"
+[ -d "$W/models/$m" ] || python scripts/gpu/make_models.py "$W/models" gpu-carry/tokenizer "$m" 2>&1 | grep made
+args=(bench --model "$W/models/$m" --device cuda --prompt-tokens 512 --decode-tokens 32 --runs 1 --json)
+ids() { grep -o '"decoded_ids":\[[0-9,]*\]'; }
+one=$("$W/bin/ferrolm-nccl" "${args[@]}" --no-static | ids)
+tp=$(FERROLM_TENSOR_PARALLEL_LOADER=1 NCCL_DEBUG=WARN "$W/bin/ferrolm-nccl" "${args[@]}" --tensor-parallel 1 2> "$W/nccl.log" | ids)
+grep -i "nccl" "$W/nccl.log" | head -5
+echo "unsplit: $one"
+echo "tp+nccl: $tp"
+[ -n "$tp" ] && [ "$one" = "$tp" ] && echo "nccl world 1: same tokens" || echo "nccl world 1: DIFFERENT or failed"

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# A short GPU check for when device time is scarce (~2 minutes): kernel self-checks, then batch-1
+# decode (graph, 3 runs) and prefill on the 1B and 8B shapes with graph = eager, and, when the
+# carried binary was built with NCCL=1, the NCCL reducer at world 1 (scripts/gpu/nccl_check.sh).
+#   run(command="bash scripts/gpu/quick_check.sh", carry=["gpu-carry"])
+set -uo pipefail
+site=$(python -c "import site; print(site.getsitepackages()[0])")
+nccl=$(dirname "$(find "$site" -name 'libnccl.so.2' | head -1)")
+export LD_LIBRARY_PATH=$nccl:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+W=/tmp/ferrolm-gpu
+mkdir -p "$W/bin" "$W/models"
+xz -dc gpu-carry/ferrolm.xz > "$W/bin/ferrolm" && chmod +x "$W/bin/ferrolm"
+"$W/bin/ferrolm" gpu-check 2>&1 | grep -v "^ok"
+python scripts/gpu/make_models.py "$W/models" gpu-carry/tokenizer llama-3.2-1b llama-3.1-8b 2>&1 | grep made
+field() { grep -o "\"$1\":[^,]*" | head -1; }
+for m in llama-3.2-1b llama-3.1-8b; do
+  a=(bench --model "$W/models/$m" --device cuda --prompt-tokens 2048 --decode-tokens 128 --json)
+  g=$("$W/bin/ferrolm" "${a[@]}" --runs 3)
+  e=$(FERROLM_CUDA_GRAPH=0 "$W/bin/ferrolm" "${a[@]}" --runs 1)
+  same=$([ "$(echo "$g" | field decoded_ids)" = "$(echo "$e" | field decoded_ids)" ] && echo yes || echo NO)
+  echo "$m graph $(echo "$g" | field decode_tps) $(echo "$g" | field prefill_tps) eager $(echo "$e" | field decode_tps) graph=eager $same"
+done
+if ldd "$W/bin/ferrolm" | grep -q libnccl; then bash scripts/gpu/nccl_check.sh llama-3.2-1b; fi

@@ -196,26 +196,48 @@ fn run<B: KernelBlock + 'static>(a: &Args) {
 /// Decode with 8-bit activations (`vnni`) where the format has a kernel, the CPU the
 /// instructions and exact activations were not asked for; false if it did not run.
 fn int8_gemv(a: &Args, worth: bool) -> bool {
+    int8_product(a, worth, Int8::Gemv)
+}
+
+/// Prefill with 8-bit activations (`vnni_gemm`), under the same conditions as `int8_gemv`.
+fn int8_gemm(a: &Args, worth: bool) -> bool {
+    int8_product(a, worth, Int8::Gemm)
+}
+
+#[derive(Clone, Copy)]
+enum Int8 {
+    Gemv,
+    Gemm,
+}
+
+/// Runs the 8-bit product `kind` for the weights' format; false where it does not apply.
+fn int8_product(a: &Args, worth: bool, kind: Int8) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
+        fn run<V: super::vnni::Vnni>(a: &Args, worth: bool, kind: Int8) {
+            match kind {
+                Int8::Gemv => int8_gemv_with::<V>(a, worth),
+                Int8::Gemm => int8_gemm_with::<V>(a, worth),
+            }
+        }
         if !int8_allowed(a) {
             return false;
         }
         match a.m.format {
-            Format::Q4_0 => int8_gemv_with::<formats::Q4_0>(a, worth),
-            Format::Q4_1 => int8_gemv_with::<formats::Q4_1>(a, worth),
-            Format::Q5_0 => int8_gemv_with::<formats::Q5_0>(a, worth),
-            Format::Q5_1 => int8_gemv_with::<formats::Q5_1>(a, worth),
-            Format::Q8_0 => int8_gemv_with::<formats::Q8_0>(a, worth),
-            Format::Q4K => int8_gemv_with::<formats::Q4K>(a, worth),
-            Format::Q6K => int8_gemv_with::<formats::Q6K>(a, worth),
+            Format::Q4_0 => run::<formats::Q4_0>(a, worth, kind),
+            Format::Q4_1 => run::<formats::Q4_1>(a, worth, kind),
+            Format::Q5_0 => run::<formats::Q5_0>(a, worth, kind),
+            Format::Q5_1 => run::<formats::Q5_1>(a, worth, kind),
+            Format::Q8_0 => run::<formats::Q8_0>(a, worth, kind),
+            Format::Q4K => run::<formats::Q4K>(a, worth, kind),
+            Format::Q6K => run::<formats::Q6K>(a, worth, kind),
             _ => return false,
         }
         true
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (a, worth);
+        let _ = (a, worth, kind);
         false
     }
 }
@@ -223,32 +245,6 @@ fn int8_gemv(a: &Args, worth: bool) -> bool {
 #[cfg(target_arch = "x86_64")]
 fn int8_allowed(a: &Args) -> bool {
     a.level == Level::Avx512 && super::vnni::available() && !a.exact
-}
-
-/// Prefill with 8-bit activations (`vnni_gemm`), under the same conditions as `int8_gemv`.
-fn int8_gemm(a: &Args, worth: bool) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if !int8_allowed(a) {
-            return false;
-        }
-        match a.m.format {
-            Format::Q4_0 => int8_gemm_with::<formats::Q4_0>(a, worth),
-            Format::Q4_1 => int8_gemm_with::<formats::Q4_1>(a, worth),
-            Format::Q5_0 => int8_gemm_with::<formats::Q5_0>(a, worth),
-            Format::Q5_1 => int8_gemm_with::<formats::Q5_1>(a, worth),
-            Format::Q8_0 => int8_gemm_with::<formats::Q8_0>(a, worth),
-            Format::Q4K => int8_gemm_with::<formats::Q4K>(a, worth),
-            Format::Q6K => int8_gemm_with::<formats::Q6K>(a, worth),
-            _ => return false,
-        }
-        true
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (a, worth);
-        false
-    }
 }
 
 /// A pointer to quantized activation rows that threads fill disjointly.

@@ -24,18 +24,6 @@ impl RmsNorm {
         candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps)
     }
 
-    /// The residual add and this norm: returns `(x + h, norm(x + h))`. One fused pass on CUDA;
-    /// elsewhere exactly the two separate operations.
-    pub fn forward_residual(&self, x: &Tensor, h: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
-        #[cfg(feature = "cuda")]
-        if let Some(pair) = crate::cuda::ops::add_rms_norm(&x.contiguous()?, &h.contiguous()?, &self.weight, self.eps)? {
-            return Ok(pair);
-        }
-        let sum = (x + h)?;
-        let normed = self.forward(&sum)?;
-        Ok((sum, normed))
-    }
-
     /// Non-CPU devices: activations may be bf16 while the weight stays f32.
     fn forward_device(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let x = x.contiguous()?;

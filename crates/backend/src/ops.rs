@@ -7,7 +7,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor};
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
     let cpu_f32 = matches!(gate.device(), Device::Cpu) && gate.dtype() == DType::F32 && up.dtype() == DType::F32;
     if cpu_f32 && gate.shape() == up.shape() {
-        return gate.contiguous()?.apply_op2_no_bwd(&up.contiguous()?, &SiluMul);
+        return gate.contiguous()?.apply_op2_no_bwd(&up.contiguous()?, &GatedMul { name: "silu-mul", act: math::silu });
     }
     #[cfg(feature = "cuda")]
     if let Some(y) = crate::cuda::ops::silu_mul(&gate.contiguous()?, &up.contiguous()?)? {
@@ -20,7 +20,7 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
 pub fn gelu_tanh_mul(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
     let cpu_f32 = matches!(gate.device(), Device::Cpu) && gate.dtype() == DType::F32 && up.dtype() == DType::F32;
     if cpu_f32 && gate.shape() == up.shape() {
-        return gate.contiguous()?.apply_op2_no_bwd(&up.contiguous()?, &GeluTanhMul);
+        return gate.contiguous()?.apply_op2_no_bwd(&up.contiguous()?, &GatedMul { name: "gelu-tanh-mul", act: math::gelu_tanh });
     }
     gate.gelu()? * up
 }
@@ -48,35 +48,25 @@ pub fn increment(p: &Tensor) -> candle_core::Result<()> {
     p.slice_set(&next, 0, 0)
 }
 
-struct SiluMul;
-
-impl CustomOp2 for SiluMul {
-    fn name(&self) -> &'static str {
-        "silu-mul"
-    }
-
-    fn cpu_fwd(&self, a: &CpuStorage, al: &Layout, b: &CpuStorage, bl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(a), CpuStorage::F32(b)) = (a, b) else { candle_core::bail!("silu-mul: expected f32") };
-        let n = al.shape().elem_count();
-        let a = &a[al.start_offset()..al.start_offset() + n];
-        let b = &b[bl.start_offset()..bl.start_offset() + n];
-        Ok((CpuStorage::F32(map2(a, b, |g, u| math::silu(g) * u)), al.shape().clone()))
-    }
+/// act(gate) · up on f32 CPU tensors, one threaded pass (SwiGLU, GeGLU). `act` is a function
+/// item, so each activation gets its own inlined, vectorizable loop.
+struct GatedMul<A> {
+    name: &'static str,
+    act: A,
 }
 
-struct GeluTanhMul;
-
-impl CustomOp2 for GeluTanhMul {
+impl<A: Fn(f32) -> f32 + Send + Sync + Copy> CustomOp2 for GatedMul<A> {
     fn name(&self) -> &'static str {
-        "gelu-tanh-mul"
+        self.name
     }
 
     fn cpu_fwd(&self, a: &CpuStorage, al: &Layout, b: &CpuStorage, bl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(a), CpuStorage::F32(b)) = (a, b) else { candle_core::bail!("gelu-tanh-mul: expected f32") };
+        let (CpuStorage::F32(a), CpuStorage::F32(b)) = (a, b) else { candle_core::bail!("{}: expected f32", self.name) };
         let n = al.shape().elem_count();
         let a = &a[al.start_offset()..al.start_offset() + n];
         let b = &b[bl.start_offset()..bl.start_offset() + n];
-        Ok((CpuStorage::F32(map2(a, b, |g, u| math::gelu_tanh(g) * u)), al.shape().clone()))
+        let act = self.act;
+        Ok((CpuStorage::F32(map2(a, b, |g, u| act(g) * u)), al.shape().clone()))
     }
 }
 

@@ -34,10 +34,17 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, pos: Positions, p: &AttentionP
     if hq % hkv != 0 {
         candle_core::bail!("attention: {hq} query heads are not a multiple of {hkv} kv heads")
     }
-    let all_f32 = [q, k, v].iter().all(|t| t.dtype() == DType::F32);
-    if matches!(q.device(), Device::Cpu) && all_f32 {
-        let q = q.contiguous()?;
-        return q.apply_op3_no_bwd(k, v, &AttendCpu { pos, params: *p });
+    if matches!(q.device(), Device::Cpu) && q.dtype() == DType::F32 {
+        let kv_is = |dt: DType| k.dtype() == dt && v.dtype() == dt;
+        // An f16 cache (the CPU default) is read by the decode kernel directly; the other
+        // kernels take f32.
+        if kv_is(DType::F16) && !(q.dims()[0] == 1 && decode_kernel(q.dims()[2])) {
+            return attend(q, &k.to_dtype(DType::F32)?, &v.to_dtype(DType::F32)?, pos, p);
+        }
+        if kv_is(DType::F32) || kv_is(DType::F16) {
+            let q = q.contiguous()?;
+            return q.apply_op3_no_bwd(k, v, &AttendCpu { pos, params: *p });
+        }
     }
     if !matches!(q.device(), Device::Cpu) {
         return crate::attention_device::attend(q, k, v, pos, p);
@@ -142,8 +149,30 @@ impl CustomOp3 for AttendCpu {
         let (t, hq, d) = ql.shape().dims3()?;
         let (hkv, s, _) = kl.shape().dims3()?;
         let q = &q[ql.start_offset()..ql.start_offset() + t * hq * d];
-        let job = Job { q, k: KvView::new(ks, kl)?, v: KvView::new(vs, vl)?, hq, group: hq / hkv, s, d, op: self };
         let mut out = vec![0f32; t * hq * d];
+        if t == 1 && decode_kernel(d) {
+            let (lo, hi) = visible_keys(self.pos.query_start, s, self.pos, self.params.window);
+            #[cfg(target_arch = "x86_64")]
+            {
+                use crate::cpu::decode_attn::{attend, DecodeCall};
+                let (scale, softcap) = (self.params.scale, self.params.softcap);
+                match (ks, vs) {
+                    (CpuStorage::F32(kd), CpuStorage::F32(vd)) => {
+                        let (k, v) = (rows(kd, kl)?, rows(vd, vl)?);
+                        attend(&DecodeCall { q, k, v, hq, hkv, d, lo, hi, scale, softcap }, &mut out)
+                    }
+                    (CpuStorage::F16(kd), CpuStorage::F16(vd)) => {
+                        let (k, v) = (rows(kd, kl)?, rows(vd, vl)?);
+                        attend(&DecodeCall { q, k, v, hq, hkv, d, lo, hi, scale, softcap }, &mut out)
+                    }
+                    _ => candle_core::bail!("attention: k and v differ in dtype"),
+                }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = (lo, hi);
+            return Ok((CpuStorage::F32(out), Shape::from((t, hq * d))));
+        }
+        let job = Job { q, k: KvView::new(ks, kl)?, v: KvView::new(vs, vl)?, hq, group: hq / hkv, s, d, op: self };
         if t >= TILED_MIN_TOKENS {
             let (pos, window) = (self.pos, self.params.window);
             let visible = move |i: usize| visible_keys(pos.query_start + i, s, pos, window);
@@ -174,6 +203,27 @@ impl CustomOp3 for AttendCpu {
         });
         Ok((CpuStorage::F32(out), Shape::from((t, hq * d))))
     }
+}
+
+/// Whether single-token attention with head size `d` runs on `cpu::decode_attn`.
+fn decode_kernel(d: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return crate::cpu::decode_attn::supports(d);
+    #[cfg(not(target_arch = "x86_64"))]
+    return {
+        let _ = d;
+        false
+    };
+}
+
+/// A `[H, S, D]` view of cache storage with a contiguous last dimension.
+#[cfg(target_arch = "x86_64")]
+fn rows<'a, E>(data: &'a [E], layout: &Layout) -> candle_core::Result<crate::cpu::decode_attn::Rows<'a, E>> {
+    let stride = layout.stride();
+    if stride[2] != 1 {
+        candle_core::bail!("attention: kv head_dim must be contiguous")
+    }
+    Ok(crate::cpu::decode_attn::Rows { data: &data[layout.start_offset()..], head_stride: stride[0], token_stride: stride[1] })
 }
 
 /// From this many new tokens on, the tiled kernel (`cpu::attn`) runs; below, one query row at
@@ -298,6 +348,16 @@ mod tests {
         check(1, 9, 3, 20, Positions { query_start: 19, key_start: 0 }, None);
         check(4, 4, 1, 30, Positions { query_start: 26, key_start: 0 }, Some(8));
         check(3, 4, 4, 10, Positions { query_start: 40, key_start: 33 }, Some(6));
+    }
+
+    /// The decode kernel (`cpu::decode_attn`, one token, d a multiple of 64): groups of 1, 3 and
+    /// 4 query heads per kv head, key ranges split over items, a window, soft-capping.
+    #[test]
+    fn decode_kernel_equals_generic() {
+        check_d(64, 1, 9, 3, 300, Positions { query_start: 299, key_start: 0 }, None, None);
+        check_d(128, 1, 8, 8, 40, Positions { query_start: 39, key_start: 0 }, None, None);
+        check_d(256, 1, 4, 1, 700, Positions { query_start: 699, key_start: 0 }, Some(512), Some(30.0));
+        check_d(64, 1, 14, 2, 1000, Positions { query_start: 1100, key_start: 101 }, Some(90), None);
     }
 
     /// The tiled prefill kernel (t ≥ TILED_MIN_TOKENS): head sizes that are and are not multiples

@@ -152,6 +152,8 @@ pub fn write_at(buf: &Tensor, x: &Tensor, pos: &Tensor) -> Result<()> {
 
 /// q `[1, Hq, D]` (rotated) over keys 0..=pos of whole buffers `[Hkv, capacity, D]` → `[1, Hq·D]`.
 pub fn attend_at(q: &Tensor, k: &Tensor, v: &Tensor, pos: &Tensor, p: &AttentionParams) -> Result<Tensor> {
+    // A cache in another dtype than q (f16 on CPU) is widened for the composition.
+    let (k, v) = (&k.to_dtype(q.dtype())?, &v.to_dtype(q.dtype())?);
     let (_, hq, d) = q.dims3()?;
     let (hkv, cap, _) = k.dims3()?;
     let q = q.contiguous()?.reshape((hkv, hq / hkv, d))?;

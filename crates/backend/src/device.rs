@@ -22,12 +22,23 @@ pub fn new_cuda(ordinal: usize) -> candle_core::Result<Device> {
     Device::new_cuda(ordinal)
 }
 
-/// The dtype of activations and KV caches on `device`: f32 on CPU (ferrolm's CPU kernels take
-/// f32), bf16 elsewhere (dense weights are held in bf16 on GPUs; candle's quantized CUDA kernels
-/// take bf16 input too).
+/// The dtype of activations on `device`: f32 on CPU (ferrolm's CPU kernels take f32), bf16
+/// elsewhere (dense weights are held in bf16 on GPUs; candle's quantized CUDA kernels take bf16
+/// input too).
 pub fn activation_dtype(device: &Device) -> DType {
     match device {
         Device::Cpu => DType::F32,
         _ => DType::BF16,
+    }
+}
+
+/// The dtype of KV-cache buffers on `device`: on CPU f16, as llama.cpp's default (half the bytes
+/// a decode step reads from the cache; the decode attention kernel widens rows exactly on load),
+/// or f32 when exact activations are asked for (`cpu::exact_activations`); elsewhere the
+/// activation dtype.
+pub fn kv_dtype(device: &Device) -> DType {
+    match device {
+        Device::Cpu if !crate::cpu::exact_activations() => DType::F16,
+        _ => activation_dtype(device),
     }
 }

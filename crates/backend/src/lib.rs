@@ -17,7 +17,7 @@ pub mod shard;
 pub use attention::{attend, AttentionParams};
 pub use candle_core::{DType, Device, Tensor};
 pub use cpu::matmul::WeightBytes;
-pub use device::{activation_dtype, parse_device};
+pub use device::{activation_dtype, kv_dtype, parse_device};
 pub use linear::{Linear, RowInput, Weight};
 pub use rope::{Rope, RopeStyle};
 

@@ -298,9 +298,9 @@ impl CausalLm for Gemma3 {
             .iter()
             .map(|&local| -> Box<dyn KvCache> {
                 if local {
-                    Box::new(RotatingCache::new(heads, dim, c.sliding_window, ferrolm_backend::activation_dtype(dev), dev))
+                    Box::new(RotatingCache::new(heads, dim, c.sliding_window, ferrolm_backend::kv_dtype(dev), dev))
                 } else {
-                    Box::new(PlainCache::new(heads, dim, ferrolm_backend::activation_dtype(dev), dev))
+                    Box::new(PlainCache::new(heads, dim, ferrolm_backend::kv_dtype(dev), dev))
                 }
             })
             .collect();

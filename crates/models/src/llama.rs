@@ -219,13 +219,13 @@ impl CausalLm for Llama {
                     c.num_key_value_heads,
                     c.head_dim,
                     w,
-                    ferrolm_backend::activation_dtype(&self.device),
+                    ferrolm_backend::kv_dtype(&self.device),
                     &self.device,
                 )) as Box<dyn KvCache>,
                 None => Box::new(PlainCache::new(
                     c.num_key_value_heads,
                     c.head_dim,
-                    ferrolm_backend::activation_dtype(&self.device),
+                    ferrolm_backend::kv_dtype(&self.device),
                     &self.device,
                 )) as Box<dyn KvCache>,
             })

@@ -198,7 +198,7 @@ impl CausalLm for TensorParallelLlama {
         let layers = (0..self.cfg.num_hidden_layers)
             .flat_map(|_| self.ranks.iter())
             .map(|r| {
-                let dtype = ferrolm_backend::activation_dtype(&r.device);
+                let dtype = ferrolm_backend::kv_dtype(&r.device);
                 Box::new(PlainCache::new(kv_heads, self.cfg.head_dim, dtype, &r.device)) as Box<dyn KvCache>
             })
             .collect();

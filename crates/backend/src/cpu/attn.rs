@@ -24,7 +24,7 @@ pub struct Kv<'a> {
 
 impl Kv<'_> {
     #[inline(always)]
-    fn row(&self, head: usize, token: usize, d: usize) -> &[f32] {
+    pub(crate) fn row(&self, head: usize, token: usize, d: usize) -> &[f32] {
         let o = head * self.head_stride + token * self.token_stride;
         &self.data[o..o + d]
     }

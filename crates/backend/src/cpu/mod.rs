@@ -4,12 +4,15 @@
 //! on AVX-512 VNNI, where activation rows are quantized to 8 bits as llama.cpp does (`vnni` for
 //! decode, `vnni_gemm` for prefill): faster, but it moves logits slightly (up to ~2 on small
 //! models), so `set_exact_activations(true)` or `FERROLM_CPU_EXACT=1` keeps f32 activations.
-//! Prefill attention runs on the GEMM micro-kernels (`attn`). Kernels are
+//! Prefill attention runs on the GEMM micro-kernels (`attn`), decode attention on AVX-512 by
+//! (kv head, key range) items (`decode_attn`). Kernels are
 //! written as plain Rust over fixed-size lanes and compiled several times for different x86
 //! feature levels (`multiversion!`), chosen once at run time; other CPUs get the portable build.
 
 mod alloc;
 pub mod attn;
+#[cfg(target_arch = "x86_64")]
+pub mod decode_attn;
 pub mod formats;
 pub mod math;
 pub mod matmul;

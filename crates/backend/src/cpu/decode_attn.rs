@@ -1,0 +1,248 @@
+//! Decode attention (one new token per sequence) on AVX-512, as flash-decoding: the work is cut
+//! into (kv head, key range) items spread over the threads; each item runs all G query heads of
+//! its group together over its keys, so every cached K and V row is read once per group instead
+//! of once per query head, and the weighted sum of values keeps its accumulators in registers
+//! (the per-row kernel kept them in memory, one store-to-load round trip per key, which made it
+//! a fifth of a decode step). The items' partial results (max, sum, weighted values) are merged
+//! at the end.
+//!
+//! Per value the arithmetic is the per-row kernel's in a different order: q·k as 16-lane FMA
+//! chains over d then summed, scaled (and soft-capped), `math::exp`, the weighted values as one
+//! FMA chain over the item's keys, combined over items with the usual rescaling. Cached rows
+//! are f32 or f16 (the CPU cache's default, converted exactly to f32 on load).
+
+#![cfg(target_arch = "x86_64")]
+
+use super::math;
+use super::threads::{num_threads, parallel_ranges};
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+/// Query heads handled together in the value phase (4 heads × 4 vectors of 16 = 16 registers).
+const HEADS_PER_PASS: usize = 4;
+/// Columns of the value phase per pass: 4 vectors of 16.
+const COLS: usize = 64;
+/// An item takes at least this many keys (below, splitting costs more than it saves).
+const MIN_KEYS_PER_ITEM: usize = 64;
+
+/// A cached element type: f32, or f16 widened exactly on load.
+pub trait Elem: Copy + Sync {
+    /// Elements `p..p+16` as f32.
+    ///
+    /// # Safety
+    /// AVX-512F (and F16C) available; 16 elements readable at `p`.
+    unsafe fn load16(p: *const Self) -> __m512;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+}
+
+impl Elem for half::f16 {
+    #[inline(always)]
+    unsafe fn load16(p: *const half::f16) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    }
+}
+
+/// A `[H, S, D]` cache view with a contiguous last dimension.
+#[derive(Clone, Copy)]
+pub struct Rows<'a, E> {
+    pub data: &'a [E],
+    pub head_stride: usize,
+    pub token_stride: usize,
+}
+
+impl<E> Rows<'_, E> {
+    #[inline(always)]
+    fn row(&self, head: usize, token: usize, d: usize) -> &[E] {
+        let o = head * self.head_stride + token * self.token_stride;
+        &self.data[o..o + d]
+    }
+}
+
+/// One decode step's attention: q `[hq, d]`, keys `[lo, hi)` of k and v `[hkv, s, d]`.
+pub struct DecodeCall<'a, E> {
+    pub q: &'a [f32],
+    pub k: Rows<'a, E>,
+    pub v: Rows<'a, E>,
+    pub hq: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub lo: usize,
+    pub hi: usize,
+    pub scale: f32,
+    pub softcap: Option<f32>,
+}
+
+/// Whether [`attend`] runs a call with head size `d`: AVX-512 present, d a multiple of 64.
+pub fn supports(d: usize) -> bool {
+    super::simd::level() == super::simd::Level::Avx512 && d % COLS == 0
+}
+
+/// An item's result for one query head: running max, sum of weights, weighted values (`d`).
+fn partial_len(d: usize) -> usize {
+    2 + d
+}
+
+thread_local! {
+    /// Per-thread scores of an item, `[G][keys]`.
+    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Writes the attention output `[hq·d]` of `c` into `out`. Callers check [`supports`] first.
+pub fn attend<E: Elem>(c: &DecodeCall<E>, out: &mut [f32]) {
+    assert!(supports(c.d) && c.hq % c.hkv == 0 && out.len() == c.hq * c.d);
+    let keys = c.hi.saturating_sub(c.lo);
+    let wanted = (2 * num_threads()).div_ceil(c.hkv);
+    let parts = wanted.min(keys / MIN_KEYS_PER_ITEM).max(1);
+    let per_part = keys.div_ceil(parts);
+    let group = c.hq / c.hkv;
+    let stride = partial_len(c.d);
+    let mut partials = vec![0f32; c.hkv * parts * group * stride];
+    let shared = super::threads::SharedOut::new(&mut partials);
+    let worth = keys * c.hq * c.d > 1 << 14;
+    parallel_ranges(c.hkv * parts, 1, worth, |items| {
+        SCORES.with(|sc| {
+            let mut sc = sc.borrow_mut();
+            sc.resize(group * per_part, 0.0);
+            for item in items {
+                let (h, p) = (item / parts, item % parts);
+                let lo = c.lo + p * per_part;
+                let hi = (lo + per_part).min(c.hi);
+                // SAFETY: each item writes only its own `group * stride` values of `partials`.
+                let dst = unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(item * group * stride), group * stride) };
+                if lo >= hi {
+                    for g in 0..group {
+                        dst[g * stride] = f32::NEG_INFINITY;
+                        dst[g * stride + 1] = 0.0;
+                    }
+                    continue;
+                }
+                // SAFETY: `supports` checked AVX-512F; the rows indexed exist in k and v.
+                unsafe { item_avx512(c, h, lo, hi, &mut sc, dst) };
+            }
+        })
+    });
+    merge(c, parts, &partials, out);
+}
+
+/// Combines the parts of every query head into `out`.
+fn merge<E>(c: &DecodeCall<E>, parts: usize, partials: &[f32], out: &mut [f32]) {
+    let (d, group, stride) = (c.d, c.hq / c.hkv, partial_len(c.d));
+    for qh in 0..c.hq {
+        let (h, g) = (qh / group, qh % group);
+        let at = |p: usize| ((h * parts + p) * group + g) * stride;
+        let m = (0..parts).map(|p| partials[at(p)]).fold(f32::NEG_INFINITY, f32::max);
+        let o = &mut out[qh * d..(qh + 1) * d];
+        o.fill(0.0);
+        let mut sum = 0f32;
+        for p in 0..parts {
+            let pm = partials[at(p)];
+            if pm == f32::NEG_INFINITY {
+                continue;
+            }
+            let w = if parts == 1 { 1.0 } else { math::exp(pm - m) };
+            sum += partials[at(p) + 1] * w;
+            for (x, a) in o.iter_mut().zip(&partials[at(p) + 2..at(p) + 2 + d]) {
+                *x += a * w;
+            }
+        }
+        let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+        o.iter_mut().for_each(|x| *x *= inv);
+    }
+}
+
+/// kv head `h` over keys `[lo, hi)`: for each of its G query heads, writes max, sum and the
+/// (unnormalized) weighted values to `dst[g * (2 + d)..]`.
+///
+/// # Safety
+/// AVX-512F is available; keys `[lo, hi)` of head `h` exist in `c.k` and `c.v`.
+#[target_feature(enable = "avx512f,fma,f16c")]
+unsafe fn item_avx512<E: Elem>(c: &DecodeCall<E>, h: usize, lo: usize, hi: usize, scores: &mut [f32], dst: &mut [f32]) {
+    let (d, group, n) = (c.d, c.hq / c.hkv, hi - lo);
+    let stride = partial_len(d);
+    let q = &c.q[h * group * d..(h + 1) * group * d];
+    // Scores, each head's maximum.
+    for g in 0..group {
+        let qg = q[g * d..].as_ptr();
+        let row = &mut scores[g * n..(g + 1) * n];
+        let mut max = f32::NEG_INFINITY;
+        for (j, s) in row.iter_mut().enumerate() {
+            let kr = c.k.row(h, lo + j, d).as_ptr();
+            let mut acc = _mm512_setzero_ps();
+            for i in (0..d).step_by(16) {
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg.add(i)), E::load16(kr.add(i)), acc);
+            }
+            let mut x = _mm512_reduce_add_ps(acc) * c.scale;
+            if let Some(cap) = c.softcap {
+                x = (x / cap).tanh() * cap;
+            }
+            *s = x;
+            max = max.max(x);
+        }
+        // Two loops: the exponentials vectorize only without the running sum beside them.
+        for s in row.iter_mut() {
+            *s = math::exp(*s - max);
+        }
+        dst[g * stride] = max;
+        dst[g * stride + 1] = sum_lanes(row);
+    }
+    // Weighted values, HEADS_PER_PASS heads × COLS columns at a time.
+    for g0 in (0..group).step_by(HEADS_PER_PASS) {
+        for col in (0..d).step_by(COLS) {
+            match (group - g0).min(HEADS_PER_PASS) {
+                1 => values::<E, 1>(c, h, lo, n, g0, col, scores, dst),
+                2 => values::<E, 2>(c, h, lo, n, g0, col, scores, dst),
+                3 => values::<E, 3>(c, h, lo, n, g0, col, scores, dst),
+                _ => values::<E, 4>(c, h, lo, n, g0, col, scores, dst),
+            }
+        }
+    }
+}
+
+/// The sum of `x` in 16 lanes (vectorized; the order differs from a sequential sum).
+#[inline(always)]
+fn sum_lanes(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let chunks = x.chunks_exact(16);
+    let rest: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for (a, v) in acc.iter_mut().zip(c) {
+            *a += v;
+        }
+    }
+    acc.iter().sum::<f32>() + rest
+}
+
+/// Σ_j p[g][j] · v[j][col..col+64] for heads g0..g0+G, accumulated in 4·G registers.
+///
+/// # Safety
+/// As [`item_avx512`].
+#[inline]
+#[target_feature(enable = "avx512f,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn values<E: Elem, const G: usize>(c: &DecodeCall<E>, h: usize, lo: usize, n: usize, g0: usize, col: usize, p: &[f32], dst: &mut [f32]) {
+    let d = c.d;
+    let mut acc = [[_mm512_setzero_ps(); 4]; G];
+    for j in 0..n {
+        let vr = c.v.row(h, lo + j, d).as_ptr().add(col);
+        let v = [E::load16(vr), E::load16(vr.add(16)), E::load16(vr.add(32)), E::load16(vr.add(48))];
+        for (g, a) in acc.iter_mut().enumerate() {
+            let w = _mm512_set1_ps(*p.get_unchecked((g0 + g) * n + j));
+            for (ai, vi) in a.iter_mut().zip(v) {
+                *ai = _mm512_fmadd_ps(w, vi, *ai);
+            }
+        }
+    }
+    let stride = partial_len(d);
+    for (g, a) in acc.iter().enumerate() {
+        let o = dst[(g0 + g) * stride + 2 + col..].as_mut_ptr();
+        for (i, ai) in a.iter().enumerate() {
+            _mm512_storeu_ps(o.add(16 * i), *ai);
+        }
+    }
+}

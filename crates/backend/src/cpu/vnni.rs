@@ -445,7 +445,7 @@ unsafe fn rows_dot<V: Vnni, const R: usize>(row: *const u8, row_bytes: usize, xq
 /// `available()`; `w` holds whole rows of `cols / N` blocks; `xq` was quantized from `cols`
 /// values for this `V`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn gemv<V: Vnni>(w: &[u8], cols: usize, xq: &[QPair], rows: std::ops::Range<usize>, y: &mut dyn FnMut(usize, f32)) {
+pub unsafe fn gemv<V: Vnni>(w: &[u8], cols: usize, xq: &[QPair], rows: std::ops::Range<usize>, y: &mut impl FnMut(usize, f32)) {
     assert!(cols % V::N == 0 && (V::N == 32 || V::N % 64 == 0));
     let row_bytes = cols / V::N * V::BYTES;
     let odd = cols % 64 == 32;

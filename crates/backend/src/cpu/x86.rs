@@ -148,7 +148,7 @@ pub unsafe fn gemv<B: Dq16>(
     cols: usize,
     x: &[f32],
     rows: std::ops::Range<usize>,
-    y: &mut dyn FnMut(usize, f32),
+    y: &mut impl FnMut(usize, f32),
 ) {
     let row_bytes = cols / B::N * B::BYTES;
     assert!(w.len() >= rows.end * row_bytes && x.len() >= cols);

@@ -4,7 +4,7 @@
 # VARIANTS: space-separated env assignments (one run each; "-" = defaults). Makes the models
 # first (scripts/gpu/make_models.py) unless they exist.
 set -uo pipefail
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+source "$(dirname "$0")/env.sh"
 W=/tmp/ferrolm-gpu
 mkdir -p "$W/bin" "$W/models"
 [ -x "$W/bin/ferrolm" ] || { xz -dc gpu-carry/ferrolm.xz > "$W/bin/ferrolm" && chmod +x "$W/bin/ferrolm"; }

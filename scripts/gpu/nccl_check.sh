@@ -9,11 +9,8 @@ set -uo pipefail
 W=/tmp/ferrolm-gpu
 mkdir -p "$W/bin" "$W/models"
 m=${1:-llama-3.2-1b}
-site=$(python -c "import site; print(site.getsitepackages()[0])")
-nccl=$(dirname "$(find "$site" -name 'libnccl.so.2' | head -1)")
-echo "libnccl: $nccl"
-export LD_LIBRARY_PATH=$nccl:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export NCCL_NVLS_ENABLE=0
+source "$(dirname "$0")/env.sh"
+echo "libnccl: $nccl_lib"
 xz -dc gpu-carry/ferrolm.xz > "$W/bin/ferrolm-nccl" && chmod +x "$W/bin/ferrolm-nccl"
 [ -d "$W/models/$m" ] || python scripts/gpu/make_models.py "$W/models" gpu-carry/tokenizer "$m" 2>&1 | grep made
 args=(bench --model "$W/models/$m" --device cuda --prompt-tokens 512 --decode-tokens 32 --runs 1 --json)

@@ -6,7 +6,7 @@
 # `ferrolm bench` under nsys with the static step eager (FERROLM_CUDA_GRAPH=0: every kernel
 # launch is visible) and prints the kernel summary. Output in $OUT.
 set -uo pipefail
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+source "$(dirname "$0")/env.sh"
 OUT=${OUT:-/tmp/ferrolm-gpu-out}
 W=/tmp/ferrolm-gpu
 mkdir -p "$W/bin" "$W/models" "$OUT"

@@ -4,9 +4,7 @@
 # carried binary was built with NCCL=1, the NCCL reducer at world 1 (scripts/gpu/nccl_check.sh).
 #   run(command="bash scripts/gpu/quick_check.sh", carry=["gpu-carry"])
 set -uo pipefail
-site=$(python -c "import site; print(site.getsitepackages()[0])")
-nccl=$(dirname "$(find "$site" -name 'libnccl.so.2' | head -1)")
-export LD_LIBRARY_PATH=$nccl:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+source "$(dirname "$0")/env.sh"
 W=/tmp/ferrolm-gpu
 mkdir -p "$W/bin" "$W/models"
 xz -dc gpu-carry/ferrolm.xz > "$W/bin/ferrolm" && chmod +x "$W/bin/ferrolm"

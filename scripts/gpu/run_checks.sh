@@ -6,7 +6,7 @@
 # transformers, then scripts/gpu/checks.py (bandwidth, logits vs transformers, benchmarks).
 # Logs and results.json land in $OUT.
 set -uo pipefail
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+source "$(dirname "$0")/env.sh"
 export NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/ferrolm-gpu-out}
 W=/tmp/ferrolm-gpu

@@ -260,20 +260,58 @@ template <> struct Vec8<float> {
   }
 };
 
+// Writes one token's key (rotated at qpos when cos_t is non-null, rounded to T) and value into
+// row j of kv head h's cache rows kh, vh (the work of fl_kv_append, done here by the one block
+// whose chunk holds j, before it reads the chunk).
 template <typename T, int D>
-__device__ void attn_chunk(const T* q, const T* kc, const T* vc, const float* cos_t, const float* sin_t,
-                             const unsigned* pos_ptr, unsigned pos_host, int G, long head_stride, int key_start,
-                             int s_max, int window, float scale, float softcap, int interleaved,
-                             float* part_m, float* part_l, float* part_acc) {
+__device__ void attn_append(const T* k_new, const T* v_new, T* kh, T* vh, long j, long qpos, int h, const float* cos_t,
+                            const float* sin_t, int interleaved) {
+  constexpr int half = D / 2;
+  const T* ks = k_new + (size_t)h * D;
+  const T* vs = v_new + (size_t)h * D;
+  T* kr = kh + (size_t)j * D;
+  T* vr = vh + (size_t)j * D;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    int ai = interleaved ? 2 * i : i;
+    int bi = interleaved ? 2 * i + 1 : i + half;
+    if (cos_t) {
+      size_t row = (size_t)qpos * half + i;
+      float o1, o2;
+      rotate(to_f(ks[ai]), to_f(ks[bi]), cos_t[row], sin_t[row], &o1, &o2);
+      kr[ai] = from_f<T>(o1);
+      kr[bi] = from_f<T>(o2);
+    } else {
+      kr[ai] = ks[ai];
+      kr[bi] = ks[bi];
+    }
+    vr[ai] = vs[ai];
+    vr[bi] = vs[bi];
+  }
+}
+
+// One block's chunk: keys [split*ATTN_CHUNK, +ATTN_CHUNK) of kv head h for its G query heads,
+// written as each head's max, sum and weighted values to the partial buffers.
+//
+// Order matters more than arithmetic here: the block's K and V loads go out first, before the
+// wait for the previous kernel (programmatic dependent launch) and before q is staged, since
+// cached rows never depend on the kernels of this step, so their memory latency overlaps
+// everything else. Only the block whose chunk holds the new token (`appends`) writes that row
+// first and loads after it.
+template <typename T, int D>
+__device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const float* sin_t, long qpos, int G,
+                           long head_stride, int key_start, int s_max, int window, float scale, float softcap,
+                           int interleaved, const T* k_new, const T* v_new, float* part_m, float* part_l,
+                           float* part_acc) {
   constexpr int V8 = D / 8;                 // 8-element vectors per row
   constexpr int HALF_V = V8 / 2;            // vectors per score thread
   constexpr int SLOTS = ATTN_THREADS / V8;  // key rows in flight in P·V
+  constexpr int PER = ATTN_CHUNK / SLOTS;   // P·V rows per thread
+  constexpr bool EARLY_V = D <= 128;        // V in registers from the start (else after softmax)
   __shared__ float qs[ATTN_MAX_G][D];
   __shared__ float ps[ATTN_MAX_G][ATTN_CHUNK];
   __shared__ float sm[ATTN_MAX_G], sl[ATTN_MAX_G];
   static_assert(ATTN_CHUNK == 64 && ATTN_THREADS == 2 * ATTN_CHUNK, "two score threads per key, two keys per softmax lane");
   int h = blockIdx.x, split = blockIdx.y, nsplit = gridDim.y;
-  long qpos = (long)read_pos(pos_ptr, pos_host);
   long hi = qpos + 1 - key_start;
   if (hi > s_max) hi = s_max;
   long lo = 0;
@@ -284,6 +322,7 @@ __device__ void attn_chunk(const T* q, const T* kc, const T* vc, const float* co
   long begin = (long)split * ATTN_CHUNK, end = begin + ATTN_CHUNK;
   long first = begin > lo ? begin : lo, last = end < hi ? end : hi;
   if (first >= last) {
+    pdl_prologue();
     for (int g = threadIdx.x; g < G; g += blockDim.x) {
       size_t slot = (size_t)(h * G + g) * nsplit + split;
       part_m[slot] = -INFINITY;
@@ -291,16 +330,26 @@ __device__ void attn_chunk(const T* q, const T* kc, const T* vc, const float* co
     }
     return;
   }
-  const T* kh = kc + (size_t)h * head_stride;
-  const T* vh = vc + (size_t)h * head_stride;
+  long jn = qpos - key_start;  // the new token's row
+  bool appends = k_new && jn >= begin && jn < end && jn < s_max;
+  T* kh = kc + (size_t)h * head_stride;
+  T* vh = vc + (size_t)h * head_stride;
   int tid = threadIdx.x;
 
-  // This thread's V vectors for P·V (see below), loaded first when registers allow so that
-  // their latency overlaps the score phase.
-  constexpr int PER = ATTN_CHUNK / SLOTS;
-  constexpr bool EARLY_V = D <= 128;
+  // Registers: this thread's K vectors (score phase: threads 2k and 2k+1 share key begin+k,
+  // half p takes vectors p, p+2, ...) and V vectors (P·V: thread (slot, c) takes vector c of
+  // keys slot, slot + SLOTS, ...).
+  int sk = tid >> 1, sp = tid & 1;
+  bool s_live = begin + sk >= first && begin + sk < last;
   int slot = tid / V8, c = tid % V8;
+  Vec8<T> kv[HALF_V];
   Vec8<T> vv[PER];
+  auto load_k = [&]() {
+    if (s_live) {
+#pragma unroll
+      for (int u = 0; u < HALF_V; u++) kv[u].load(kh + (size_t)(begin + sk) * D + (2 * u + sp) * 8);
+    }
+  };
   auto load_v = [&]() {
 #pragma unroll
     for (int r = 0; r < PER; r++) {
@@ -308,7 +357,17 @@ __device__ void attn_chunk(const T* q, const T* kc, const T* vc, const float* co
       if (j >= first && j < last) vv[r].load(vh + (size_t)j * D + c * 8);
     }
   };
-  if (EARLY_V) load_v();
+  if (!appends) {
+    load_k();
+    if (EARLY_V) load_v();
+  }
+  pdl_prologue();
+  if (appends) {
+    attn_append<T, D>(k_new, v_new, kh, vh, jn, qpos, h, cos_t, sin_t, interleaved);
+    __syncthreads();  // the loads below see the new row
+    load_k();
+    if (EARLY_V) load_v();
+  }
 
   // q (rotated, scaled) into shared memory.
   int half = D / 2;
@@ -329,34 +388,24 @@ __device__ void attn_chunk(const T* q, const T* kc, const T* vc, const float* co
     qs[g][ai] = a * scale;
     qs[g][bi] = b * scale;
   }
+  __syncthreads();  // qs ready
 
-  // Scores: threads 2k and 2k+1 share key begin+k; thread half `p` takes vectors p, p+2, ...
-  {
-    int k = tid >> 1, p = tid & 1;
-    long j = begin + k;
-    bool live = j >= first && j < last;
-    Vec8<T> kv[HALF_V];
-    if (live) {
+  // Scores.
 #pragma unroll
-      for (int u = 0; u < HALF_V; u++) kv[u].load(kh + (size_t)j * D + (2 * u + p) * 8);
-    }
-    __syncthreads();  // qs ready
+  for (int g = 0; g < ATTN_MAX_G; g++) {
+    if (g >= G) break;
+    float s = 0.f;
+    if (s_live) {
 #pragma unroll
-    for (int g = 0; g < ATTN_MAX_G; g++) {
-      if (g >= G) break;
-      float s = 0.f;
-      if (live) {
+      for (int u = 0; u < HALF_V; u++) {
+        const float* qv = &qs[g][(2 * u + sp) * 8];
 #pragma unroll
-        for (int u = 0; u < HALF_V; u++) {
-          const float* qv = &qs[g][(2 * u + p) * 8];
-#pragma unroll
-          for (int e = 0; e < 8; e++) s = fmaf(qv[e], kv[u].get(e), s);
-        }
+        for (int e = 0; e < 8; e++) s = fmaf(qv[e], kv[u].get(e), s);
       }
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      if (live && softcap > 0.f) s = tanhf(s / softcap) * softcap;
-      if (p == 0) ps[g][k] = live ? s : -INFINITY;
     }
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    if (s_live && softcap > 0.f) s = tanhf(s / softcap) * softcap;
+    if (sp == 0) ps[g][sk] = s_live ? s : -INFINITY;
   }
   __syncthreads();
 
@@ -380,7 +429,7 @@ __device__ void attn_chunk(const T* q, const T* kc, const T* vc, const float* co
   }
   __syncthreads();
 
-  // P·V: thread (slot, c) accumulates vector c of keys slot, slot + SLOTS, ...
+  // P·V, then the SLOTS partial sums of each output added in shared memory.
   __shared__ float pacc[SLOTS][ATTN_MAX_G][D];
   {
     if (!EARLY_V) load_v();
@@ -424,69 +473,57 @@ __device__ void attn_chunk(const T* q, const T* kc, const T* vc, const float* co
   }
 }
 
-// Writes one token's key (rotated at qpos when cos_t is non-null, rounded to T) and value into
-// row j of kv head h's cache rows kh, vh (the work of fl_kv_append, done here by the one block
-// whose chunk holds j, before it reads the chunk).
-template <typename T, int D>
-__device__ void attn_append(const T* k_new, const T* v_new, T* kh, T* vh, long j, long qpos, int h, const float* cos_t,
-                            const float* sin_t, int interleaved) {
-  constexpr int half = D / 2;
-  const T* ks = k_new + (size_t)h * D;
-  const T* vs = v_new + (size_t)h * D;
-  T* kr = kh + (size_t)j * D;
-  T* vr = vh + (size_t)j * D;
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    int ai = interleaved ? 2 * i : i;
-    int bi = interleaved ? 2 * i + 1 : i + half;
-    if (cos_t) {
-      size_t row = (size_t)qpos * half + i;
-      float o1, o2;
-      rotate(to_f(ks[ai]), to_f(ks[bi]), cos_t[row], sin_t[row], &o1, &o2);
-      kr[ai] = from_f<T>(o1);
-      kr[bi] = from_f<T>(o2);
-    } else {
-      kr[ai] = ks[ai];
-      kr[bi] = ks[bi];
-    }
-    vr[ai] = vs[ai];
-    vr[bi] = vs[bi];
-  }
-}
-
 // Merges the splits of kv head h's G query heads into out [hq, D] (run by the last block of the
-// head to finish). Partials are read past L1 (other blocks wrote them), and every load of a pass
-// is independent of the others so that they overlap: a split-by-split loop is a chain of L2
-// latencies. Splits with no visible key wrote no values: their weight is exactly 0 and their
-// garbage values are selected away, never multiplied.
+// head to finish). Partials are read past L1 (other blocks wrote them), and the loads of a pass
+// are independent of each other so that they overlap: a split-by-split loop is a chain of L2
+// latencies. Pass 1: each warp combines its heads' (max, sum) pairs online, one load of each per
+// split. Pass 2, in rounds of MERGE_ROUND splits: the splits' weights into shared memory, then
+// each thread sums 16-byte vectors of the weighted values of its (head, 4 outputs) over a share
+// of the round's splits, sixteen loads in flight. Splits with no visible key wrote no values: their
+// weight is exactly 0 and their garbage values are selected away, never multiplied.
 #define MERGE_ROUND 64
 template <typename T, int D>
 __device__ void attn_merge(const float* part_m, const float* part_l, const float* part_acc, T* out, int h, int G, int nsplit) {
-  constexpr int OUTS = ATTN_MAX_G * D / ATTN_THREADS;
+  constexpr int D4 = D / 4;
   __shared__ float Ms[ATTN_MAX_G], dens[ATTN_MAX_G];
   __shared__ float wts[ATTN_MAX_G][MERGE_ROUND];
   int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   for (int g = warp; g < G; g += ATTN_THREADS / 32) {
     const float* pm = part_m + (size_t)(h * G + g) * nsplit;
     const float* pl = part_l + (size_t)(h * G + g) * nsplit;
-    float M = -INFINITY;
-    for (int s = lane; s < nsplit; s += 32) M = fmaxf(M, __ldcg(pm + s));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-    float den = 0.f;
+    float M = -INFINITY, L = 0.f;
+#pragma unroll 4
     for (int s = lane; s < nsplit; s += 32) {
       float m = __ldcg(pm + s), l = __ldcg(pl + s);
-      den += m == -INFINITY ? 0.f : l * __expf(m - M);
+      if (m == -INFINITY) continue;
+      float nm = fmaxf(M, m);
+      L = (M == -INFINITY ? 0.f : L * __expf(M - nm)) + l * __expf(m - nm);
+      M = nm;
     }
-    den = warp_sum(den);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      float m2 = __shfl_xor_sync(0xffffffffu, M, o), l2 = __shfl_xor_sync(0xffffffffu, L, o);
+      float nm = fmaxf(M, m2);
+      if (nm != -INFINITY) L = (M == -INFINITY ? 0.f : L * __expf(M - nm)) + (m2 == -INFINITY ? 0.f : l2 * __expf(m2 - nm));
+      M = nm;
+    }
     if (lane == 0) {
       Ms[g] = M;
-      dens[g] = den;
+      dens[g] = L;
     }
   }
   __syncthreads();
-  float num[OUTS];
+  // Thread layout of pass 2: `pairs` (head, vector) outputs, `share` threads per output taking
+  // every share-th split of the round (or one thread taking several outputs when they outnumber
+  // the threads).
+  int pairs = G * D4;
+  int share = 1;  // a power of two, so that the shares of an output are aligned lanes
+  while (2 * share * pairs <= ATTN_THREADS) share *= 2;
+  int sub = tid % share;
+  float4 num[ATTN_MAX_G * D4 / ATTN_THREADS > 0 ? ATTN_MAX_G * D4 / ATTN_THREADS : 1];
+  constexpr int OUTS = ATTN_MAX_G * D4 / ATTN_THREADS > 0 ? ATTN_MAX_G * D4 / ATTN_THREADS : 1;
 #pragma unroll
-  for (int o = 0; o < OUTS; o++) num[o] = 0.f;
+  for (int o = 0; o < OUTS; o++) num[o] = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int base = 0; base < nsplit; base += MERGE_ROUND) {
     int n = min(MERGE_ROUND, nsplit - base);
     for (int idx = tid; idx < G * MERGE_ROUND; idx += ATTN_THREADS) {
@@ -501,26 +538,47 @@ __device__ void attn_merge(const float* part_m, const float* part_l, const float
     __syncthreads();
 #pragma unroll
     for (int o = 0; o < OUTS; o++) {
-      int idx = tid + o * ATTN_THREADS;
-      if (idx >= G * D) break;
-      int g = idx / D, d = idx % D;
-      const float* pa = part_acc + ((size_t)(h * G + g) * nsplit + base) * D + d;
-      float acc = 0.f;
-#pragma unroll 8
-      for (int s = 0; s < n; s++) {
-        float a = __ldcg(pa + (size_t)s * D), w = wts[g][s];
-        acc += w != 0.f ? a * w : 0.f;
+      int pair = share > 1 ? tid / share : tid + o * ATTN_THREADS;
+      if (pair >= pairs || (share > 1 && o > 0)) break;
+      int g = pair / D4, d4 = pair % D4;
+      const float4* pa = reinterpret_cast<const float4*>(part_acc + ((size_t)(h * G + g) * nsplit + base) * D) + d4;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 16
+      for (int s = sub; s < n; s += share) {
+        float4 a = __ldcg(pa + (size_t)s * D4);
+        float w = wts[g][s];
+        if (w != 0.f) {
+          acc.x = fmaf(a.x, w, acc.x);
+          acc.y = fmaf(a.y, w, acc.y);
+          acc.z = fmaf(a.z, w, acc.z);
+          acc.w = fmaf(a.w, w, acc.w);
+        }
       }
-      num[o] += acc;
+      num[o].x += acc.x;
+      num[o].y += acc.y;
+      num[o].z += acc.z;
+      num[o].w += acc.w;
     }
     __syncthreads();
   }
+  // The `share` threads of an output are adjacent lanes: add their sums.
+  for (int o = 1; o < share; o <<= 1) {
+    num[0].x += __shfl_xor_sync(0xffffffffu, num[0].x, o);
+    num[0].y += __shfl_xor_sync(0xffffffffu, num[0].y, o);
+    num[0].z += __shfl_xor_sync(0xffffffffu, num[0].z, o);
+    num[0].w += __shfl_xor_sync(0xffffffffu, num[0].w, o);
+  }
 #pragma unroll
   for (int o = 0; o < OUTS; o++) {
-    int idx = tid + o * ATTN_THREADS;
-    if (idx >= G * D) break;
-    int g = idx / D;
-    out[(size_t)(h * G) * D + idx] = from_f<T>(dens[g] > 0.f ? num[o] / dens[g] : 0.f);
+    int pair = share > 1 ? tid / share : tid + o * ATTN_THREADS;
+    if (pair >= pairs || (share > 1 && (o > 0 || sub != 0))) break;
+    int g = pair / D4;
+    float den = dens[g], inv = den > 0.f ? 1.f / den : 0.f;
+    T* dst = out + (size_t)(h * G) * D + (size_t)pair * 4;
+    dst[0] = from_f<T>(den > 0.f ? num[o].x * inv : 0.f);
+    dst[1] = from_f<T>(den > 0.f ? num[o].y * inv : 0.f);
+    dst[2] = from_f<T>(den > 0.f ? num[o].z * inv : 0.f);
+    dst[3] = from_f<T>(den > 0.f ? num[o].w * inv : 0.f);
   }
 }
 
@@ -528,22 +586,20 @@ __device__ void attn_merge(const float* part_m, const float* part_l, const float
 // new token's key and value are appended first (see attn_append). Each block writes its chunk's
 // partials; the last block of kv head h to finish (counted in counters[h], which it resets to 0
 // for the next step) merges them into out.
+//
+// The position is read before the wait for the previous kernel: it was written by the step
+// before, and every kernel here signals its dependents only after its own wait, so all kernels
+// but the immediately preceding one have finished when this one starts.
 template <typename T, int D>
 __device__ void attn_decode(const T* q, T* kc, T* vc, const float* cos_t, const float* sin_t, const unsigned* pos_ptr,
                             unsigned pos_host, int G, long head_stride, int key_start, int s_max, int window, float scale,
                             float softcap, int interleaved, float* part_m, float* part_l, float* part_acc, const T* k_new,
                             const T* v_new, unsigned* counters, T* out) {
   __shared__ bool last_block;
-  int h = blockIdx.x, split = blockIdx.y, nsplit = gridDim.y;
+  int h = blockIdx.x, nsplit = gridDim.y;
   long qpos = (long)read_pos(pos_ptr, pos_host);
-  long j = qpos - key_start;
-  if (k_new && j >= (long)split * ATTN_CHUNK && j < (long)(split + 1) * ATTN_CHUNK && j < s_max) {
-    attn_append<T, D>(k_new, v_new, kc + (size_t)h * head_stride, vc + (size_t)h * head_stride, j, qpos, h, cos_t, sin_t,
-                      interleaved);
-    __syncthreads();  // the chunk's reads below see the new row
-  }
-  attn_chunk<T, D>(q, kc, vc, cos_t, sin_t, pos_ptr, pos_host, G, head_stride, key_start, s_max, window, scale, softcap,
-                   interleaved, part_m, part_l, part_acc);
+  attn_chunk<T, D>(q, kc, vc, cos_t, sin_t, qpos, G, head_stride, key_start, s_max, window, scale, softcap, interleaved,
+                   k_new, v_new, part_m, part_l, part_acc);
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) last_block = atomicAdd(&counters[h], 1u) == (unsigned)nsplit - 1;
@@ -559,7 +615,6 @@ __device__ void attn_decode(const T* q, T* kc, T* vc, const float* cos_t, const 
       const T* q, T* kc, T* vc, const float* c, const float* s, const unsigned* pp, unsigned ph, int G, long hs,    \
       int ks, int smax, int win, float scale, float cap, int inter, float* pm, float* pl, float* pa, const T* kn,   \
       const T* vn, unsigned* cnt, T* out) {                                                                        \
-    pdl_prologue();                                                                                                \
     attn_decode<T, D>(q, kc, vc, c, s, pp, ph, G, hs, ks, smax, win, scale, cap, inter, pm, pl, pa, kn, vn, cnt, out); \
   }
 ATTN_INSTANCE(bf16, bf16, 64)
@@ -710,13 +765,36 @@ __device__ __forceinline__ uint4 silu_mul8(uint4 g, uint4 u) {
   }
   return o;
 }
-// RPW rows per warp (their loads issued together), weights read with the streaming hint (CS) or
-// through the read-only path; the variants are measured against each other on the GPU.
-template <int RPW, bool CS>
+// Weights are read with the streaming hint (CS) or through the read-only path; the variants are
+// measured against each other on the GPU. One warp per row: splitting long rows over several
+// warps (one batch of loads each) was measured slower (1B 845 vs 909 tok/s, 8B 159 vs 204): every
+// block stages the whole x', so four times the blocks is four times the staging.
+//
+// Each warp's first batch of weight loads (eight 16-byte vectors per lane: the whole row for
+// K <= 2048) is issued before anything else: weights never depend on the previous kernel, so
+// their memory latency overlaps the wait for it (programmatic dependent launch) and the staging
+// of x'. Lanes past the end of the row load nothing and add nothing.
+#define GEMV_BATCH 256  // vectors per warp batch: 32 lanes x 8
+template <bool CS>
 __device__ void gemv_fused(const bf16* x, const bf16* x2, const float* nw, float eps, int pro, const bf16* w, const bf16* res,
                            bf16* y, int N, int K) {
   extern __shared__ uint4 xs[];
   int nv = K / 8;
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int n = blockIdx.x * (blockDim.x >> 5) + warp;
+  bool has_row = n < N;
+  const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)min(n, N - 1) * K);
+  uint4 wv[8];
+  auto load_batch = [&](int base) {
+#pragma unroll
+    for (int u = 0; u < 8; u++) {
+      int i = base + lane + 32 * u;
+      wv[u] = has_row && i < nv ? (CS ? __ldcs(wr + i) : __ldg(wr + i)) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  load_batch(0);
+  pdl_prologue();
+
   const uint4* xg = reinterpret_cast<const uint4*>(x);
   if (pro == 1) {
     float ss = 0.f;
@@ -741,52 +819,31 @@ __device__ void gemv_fused(const bf16* x, const bf16* x2, const float* nw, float
     for (int i = threadIdx.x; i < nv; i += blockDim.x) xs[i] = xg[i];
   }
   __syncthreads();
-  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  int n0 = (blockIdx.x * (blockDim.x >> 5) + warp) * RPW;
-  if (n0 >= N) return;
-  const uint4* wr[RPW];
-  float acc[RPW];
+  if (!has_row) return;
+  float acc = 0.f;
+  for (int base = 0;;) {
 #pragma unroll
-  for (int r = 0; r < RPW; r++) {
-    wr[r] = reinterpret_cast<const uint4*>(w + (size_t)min(n0 + r, N - 1) * K);
-    acc[r] = 0.f;
-  }
-  int i = lane;
-  for (; i + 224 < nv; i += 256) {
-    uint4 wv[RPW][8];
-#pragma unroll
-    for (int r = 0; r < RPW; r++)
-#pragma unroll
-      for (int u = 0; u < 8; u++) wv[r][u] = CS ? __ldcs(wr[r] + i + 32 * u) : __ldg(wr[r] + i + 32 * u);
-#pragma unroll
-    for (int r = 0; r < RPW; r++)
-#pragma unroll
-      for (int u = 0; u < 8; u++) acc[r] = dot8(wv[r][u], xs[i + 32 * u], acc[r]);
-  }
-  for (; i < nv; i += 32) {
-#pragma unroll
-    for (int r = 0; r < RPW; r++) acc[r] = dot8(CS ? __ldcs(wr[r] + i) : __ldg(wr[r] + i), xs[i], acc[r]);
-  }
-#pragma unroll
-  for (int r = 0; r < RPW; r++) {
-    float a = warp_sum(acc[r]);
-    int n = n0 + r;
-    if (lane == 0 && n < N) {
-      float v = res ? __bfloat162float(res[n]) + __bfloat162float(__float2bfloat16(a)) : a;
-      y[n] = __float2bfloat16(v);
+    for (int u = 0; u < 8; u++) {
+      int i = base + lane + 32 * u;
+      if (i < nv) acc = dot8(wv[u], xs[i], acc);
     }
+    base += GEMV_BATCH;
+    if (base >= nv) break;
+    load_batch(base);
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) {
+    float v = res ? __bfloat162float(res[n]) + __bfloat162float(__float2bfloat16(acc)) : acc;
+    y[n] = __float2bfloat16(v);
   }
 }
-#define GEMV_FUSED(NAME, RPW, CS)                                                                                 \
+#define GEMV_FUSED(NAME, CS)                                                                                      \
   extern "C" __global__ void __launch_bounds__(256) NAME(const bf16* x, const bf16* x2, const float* nw, float eps, \
                                                          int pro, const bf16* w, const bf16* res, bf16* y, int N, int K) { \
-    pdl_prologue();                                                                                               \
-    gemv_fused<RPW, CS>(x, x2, nw, eps, pro, w, res, y, N, K);                                                    \
+    gemv_fused<CS>(x, x2, nw, eps, pro, w, res, y, N, K);                                                         \
   }
-GEMV_FUSED(fl_gemv_fused_bf16, 1, true)
-GEMV_FUSED(fl_gemv_fused_r2_bf16, 2, true)
-GEMV_FUSED(fl_gemv_fused_ldg_bf16, 1, false)
-GEMV_FUSED(fl_gemv_fused_r2ldg_bf16, 2, false)
+GEMV_FUSED(fl_gemv_fused_bf16, true)
+GEMV_FUSED(fl_gemv_fused_ldg_bf16, false)
 
 // ---------------------------------------------------------------------------------------------
 // Causal (and windowed, soft-capped) softmax of raw attention scores for a prefill: scores

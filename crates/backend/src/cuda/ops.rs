@@ -280,24 +280,21 @@ pub fn gemv_fused(input: GemvInput<'_>, w: &Tensor, residual: Option<&Tensor>) -
         return Ok(None);
     }
     let out = alloc(&dev, (1, n), DType::BF16)?;
-    let (name, rows_per_warp) = gemv_variant();
     super::with_smem((k * 2) as u32);
     launch!(
-        dev, name, (n.div_ceil(8 * rows_per_warp) as u32, 1, 1), 256,
+        dev, gemv_variant(), (n.div_ceil(8) as u32, 1, 1), 256,
         xp, x2p, nwp, eps, pro as i32, wp, rp, ptr(&out)?, n as i32, k as i32
     );
     Ok(Some(out))
 }
 
-/// The fused matrix-vector kernel's variant (`FERROLM_CUDA_GEMV_VARIANT`: r2, ldg, r2ldg; see
-/// kernels.cu) and its rows per warp.
-fn gemv_variant() -> (&'static str, usize) {
-    static V: std::sync::OnceLock<(&'static str, usize)> = std::sync::OnceLock::new();
-    *V.get_or_init(|| match std::env::var("FERROLM_CUDA_GEMV_VARIANT").as_deref() {
-        Ok("r2") => ("fl_gemv_fused_r2_bf16", 2),
-        Ok("ldg") => ("fl_gemv_fused_ldg_bf16", 1),
-        Ok("r2ldg") => ("fl_gemv_fused_r2ldg_bf16", 2),
-        _ => ("fl_gemv_fused_bf16", 1),
+/// The fused matrix-vector kernel's variant: `FERROLM_CUDA_GEMV_VARIANT=ldg` reads weights
+/// through the read-only path instead of with the streaming hint (see kernels.cu).
+fn gemv_variant() -> &'static str {
+    static V: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+    V.get_or_init(|| match std::env::var("FERROLM_CUDA_GEMV_VARIANT").as_deref() {
+        Ok("ldg") => "fl_gemv_fused_ldg_bf16",
+        _ => "fl_gemv_fused_bf16",
     })
 }
 

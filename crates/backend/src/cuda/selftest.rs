@@ -65,7 +65,7 @@ pub fn run(dev: &Device) -> Result<Vec<Check>> {
         let host = rope.apply(&one, 1000)?;
         out.push(Check { name: format!("rope {style:?} device pos = host pos (exact)"), error: rel(&at, &host)?, bound: 0.0 });
     }
-    for (hq, hkv, d, s, window) in [(32, 8, 128, 1500, None), (9, 3, 64, 300, None), (32, 8, 64, 700, Some(256)), (8, 8, 256, 40, None)] {
+    for (hq, hkv, d, s, window) in [(32, 8, 128, 1500, None), (9, 3, 64, 300, None), (32, 8, 64, 700, Some(256)), (8, 8, 256, 40, None), (16, 2, 128, 5000, None)] {
         out.extend(check_attention(dev, hq, hkv, d, s, window)?);
     }
     for (t, window, softcap) in [(37, None, None), (64, Some(20), None), (16, None, Some(30.0))] {
@@ -84,7 +84,7 @@ pub fn run(dev: &Device) -> Result<Vec<Check>> {
         let want = x.to_dtype(DType::F32)?.matmul(&w.to_dtype(DType::F32)?.t()?)?;
         out.push(Check { name: format!("gemv bf16 {n}x{k}"), error: rel(&got, &want)?, bound: 1e-2 });
     }
-    for (n, k) in [(3072, 2048), (4096, 14336)] {
+    for (n, k) in [(3072, 2048), (4096, 14336), (576, 576), (1000, 24)] {
         out.extend(check_gemv_fused(dev, n, k)?);
     }
     let logits = randn(128256, DType::F32, dev)?;

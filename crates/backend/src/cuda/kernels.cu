@@ -183,6 +183,30 @@ extern "C" __global__ void fl_rope_f32(const float* x, float* out, const float* 
 }
 
 // ---------------------------------------------------------------------------------------------
+// One token's key (rotated at position p when cos_t is non-null, rounded to T) and value, from
+// ks, vs into the cache rows kr, vr (dim values each); the block's threads share the pairs.
+template <typename T>
+__device__ void write_kv_row(const T* ks, const T* vs, T* kr, T* vr, int dim, size_t p, const float* cos_t,
+                             const float* sin_t, int interleaved) {
+  int half = dim / 2;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    int ai = interleaved ? 2 * i : i;
+    int bi = interleaved ? 2 * i + 1 : i + half;
+    if (cos_t) {
+      size_t row = p * half + i;
+      float o1, o2;
+      rotate(to_f(ks[ai]), to_f(ks[bi]), cos_t[row], sin_t[row], &o1, &o2);
+      kr[ai] = from_f<T>(o1);
+      kr[bi] = from_f<T>(o2);
+    } else {
+      kr[ai] = ks[ai];
+      kr[bi] = ks[bi];
+    }
+    vr[ai] = vs[ai];
+    vr[bi] = vs[bi];
+  }
+}
+
 // Appends one token's keys and values at position pos of caches [kv_heads, cap, dim] (head
 // stride cap*dim): k is rotated on the way (when cos_t is non-null), v copied. k, v: [kv_heads, dim].
 // grid: kv_heads, block: dim/2 threads.
@@ -191,26 +215,9 @@ __device__ void kv_append(const T* k, const T* v, T* kc, T* vc, const float* cos
                           const unsigned* pos_ptr, unsigned pos_host, int dim, int cap, int interleaved) {
   unsigned p = read_pos(pos_ptr, pos_host);
   if (p >= (unsigned)cap) return;  // the host reserves capacity before any step; never taken
-  int h = blockIdx.x, half = dim / 2;
-  const T* ks = k + (size_t)h * dim;
-  const T* vs = v + (size_t)h * dim;
+  int h = blockIdx.x;
   size_t o = ((size_t)h * cap + p) * dim;
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    int ai = interleaved ? 2 * i : i;
-    int bi = interleaved ? 2 * i + 1 : i + half;
-    if (cos_t) {
-      size_t row = (size_t)p * half + i;
-      float o1, o2;
-      rotate(to_f(ks[ai]), to_f(ks[bi]), cos_t[row], sin_t[row], &o1, &o2);
-      kc[o + ai] = from_f<T>(o1);
-      kc[o + bi] = from_f<T>(o2);
-    } else {
-      kc[o + ai] = ks[ai];
-      kc[o + bi] = ks[bi];
-    }
-    vc[o + ai] = vs[ai];
-    vc[o + bi] = vs[bi];
-  }
+  write_kv_row(k + (size_t)h * dim, v + (size_t)h * dim, kc + o, vc + o, dim, p, cos_t, sin_t, interleaved);
 }
 
 extern "C" __global__ void fl_kv_append_bf16(const bf16* k, const bf16* v, bf16* kc, bf16* vc, const float* c, const float* s,
@@ -259,35 +266,6 @@ template <> struct Vec8<float> {
     return f[i & 3];
   }
 };
-
-// Writes one token's key (rotated at qpos when cos_t is non-null, rounded to T) and value into
-// row j of kv head h's cache rows kh, vh (the work of fl_kv_append, done here by the one block
-// whose chunk holds j, before it reads the chunk).
-template <typename T, int D>
-__device__ void attn_append(const T* k_new, const T* v_new, T* kh, T* vh, long j, long qpos, int h, const float* cos_t,
-                            const float* sin_t, int interleaved) {
-  constexpr int half = D / 2;
-  const T* ks = k_new + (size_t)h * D;
-  const T* vs = v_new + (size_t)h * D;
-  T* kr = kh + (size_t)j * D;
-  T* vr = vh + (size_t)j * D;
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    int ai = interleaved ? 2 * i : i;
-    int bi = interleaved ? 2 * i + 1 : i + half;
-    if (cos_t) {
-      size_t row = (size_t)qpos * half + i;
-      float o1, o2;
-      rotate(to_f(ks[ai]), to_f(ks[bi]), cos_t[row], sin_t[row], &o1, &o2);
-      kr[ai] = from_f<T>(o1);
-      kr[bi] = from_f<T>(o2);
-    } else {
-      kr[ai] = ks[ai];
-      kr[bi] = ks[bi];
-    }
-    vr[ai] = vs[ai];
-    vr[bi] = vs[bi];
-  }
-}
 
 // One block's chunk: keys [split*ATTN_CHUNK, +ATTN_CHUNK) of kv head h for its G query heads,
 // written as each head's max, sum and weighted values to the partial buffers.
@@ -363,7 +341,9 @@ __device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const f
   }
   pdl_prologue();
   if (appends) {
-    attn_append<T, D>(k_new, v_new, kh, vh, jn, qpos, h, cos_t, sin_t, interleaved);
+    // The new token's row, written by the one block whose chunk holds it (fl_kv_append's work).
+    write_kv_row<T>(k_new + (size_t)h * D, v_new + (size_t)h * D, kh + (size_t)jn * D, vh + (size_t)jn * D, D, qpos,
+                    cos_t, sin_t, interleaved);
     __syncthreads();  // the loads below see the new row
     load_k();
     if (EARLY_V) load_v();
@@ -583,7 +563,7 @@ __device__ void attn_merge(const float* part_m, const float* part_l, const float
 }
 
 // The decode attention kernel: grid (hkv, nsplit), ATTN_THREADS threads. With k_new non-null the
-// new token's key and value are appended first (see attn_append). Each block writes its chunk's
+// new token's key and value are appended first (see write_kv_row). Each block writes its chunk's
 // partials; the last block of kv head h to finish (counted in counters[h], which it resets to 0
 // for the next step) merges them into out.
 //

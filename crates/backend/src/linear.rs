@@ -117,6 +117,16 @@ impl Linear {
         }
     }
 
+    /// Repacks CPU Q8_0 weights for one-token products (see `CpuMatmul::pack_for_decode`):
+    /// for output heads, which run on the last position only. Does nothing elsewhere.
+    pub fn pack_for_decode(&mut self) {
+        if let Kernel::Cpu(mm) = &mut self.kernel {
+            if let Some(mm) = Arc::get_mut(mm) {
+                mm.pack_for_decode();
+            }
+        }
+    }
+
     pub fn out_features(&self) -> usize {
         self.out_features
     }

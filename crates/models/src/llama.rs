@@ -91,10 +91,12 @@ impl LlamaConfig {
 
 /// The output projection: `output.weight`, or the token embeddings when they are tied.
 pub(crate) fn output_head(src: &dyn WeightSource, embed_w: &ferrolm_backend::Weight, device: &Device) -> crate::Result<Linear> {
-    Ok(match src.has("output.weight") {
+    let mut head = match src.has("output.weight") {
         true => Linear::new(&src.weight("output.weight")?, None, device)?,
         false => Linear::new(embed_w, None, device)?,
-    })
+    };
+    head.pack_for_decode();
+    Ok(head)
 }
 
 struct Layer {

@@ -19,6 +19,12 @@ use std::cell::RefCell;
 /// Raw weight bytes the kernels read (usually a slice of the model's memory map).
 pub trait WeightBytes: Send + Sync {
     fn bytes(&self) -> &[u8];
+
+    /// Tells the OS that bytes `range` (of `bytes()`) are not needed for now: a memory map drops
+    /// those pages from the process (read in again if touched). Nothing for owned buffers.
+    fn release_pages(&self, range: std::ops::Range<usize>) {
+        let _ = range;
+    }
 }
 
 impl WeightBytes for Vec<u8> {
@@ -34,6 +40,10 @@ pub struct CpuMatmul {
     rows: usize,
     cols: usize,
     parts: Vec<Part>,
+    /// Q8_0 rows repacked for 8-bit decode (`pack_for_decode`), used instead of the file's
+    /// blocks for one-token products.
+    #[cfg(target_arch = "x86_64")]
+    packed: Option<super::q8_packed::Q8Rows>,
 }
 
 struct Part {
@@ -64,7 +74,30 @@ impl CpuMatmul {
             out.push(Part { data, start, rows });
             start += rows;
         }
-        Some(Self { format, rows: start, cols, parts: out })
+        Some(Self {
+            format,
+            rows: start,
+            cols,
+            parts: out,
+            #[cfg(target_arch = "x86_64")]
+            packed: None,
+        })
+    }
+
+    /// Repacks a single Q8_0 matrix for one-token products with 8-bit activations
+    /// (`cpu::q8_packed`: half the instructions per row, bit-identical results), then lets the
+    /// kernel drop the file's pages from memory (they are read again on demand, e.g. by an
+    /// embedding lookup of a tied head). Meant for output heads, which see one token per step;
+    /// other products keep reading the file's blocks. Returns whether it repacked.
+    pub fn pack_for_decode(&mut self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self.format == Format::Q8_0 && self.parts.len() == 1 && super::vnni::available() && !super::exact_activations() {
+            let data = &self.parts[0].data;
+            let packed = super::q8_packed::Q8Rows::pack(data.bytes(), self.rows, self.cols, &|r| data.release_pages(r));
+            self.packed = Some(packed);
+            return true;
+        }
+        false
     }
 
     pub fn rows(&self) -> usize {
@@ -306,6 +339,15 @@ fn int8_gemv_with<V: super::vnni::Vnni>(a: &Args, worth: bool) {
         // SAFETY: `vnni::available()` was checked by the caller.
         unsafe { vnni::quantize::<V>(a.x, &mut buf) };
         let xq: &[vnni::QPair] = &buf;
+        if let Some(packed) = &a.m.packed {
+            // Only Q8_0 is packed, and `V` is the matrix's format: xq is Q8_0's.
+            parallel_ranges(a.m.rows, 4, worth, |rows| {
+                // SAFETY: VNNI was detected; ranges start at multiples of 4; each thread
+                // writes only its own rows.
+                unsafe { packed.gemv(xq, rows, &mut |r, v| a.y.write(r, v)) }
+            });
+            return;
+        }
         parallel_ranges(a.m.rows, 4, worth, |rows| {
             a.for_parts(rows, |p, rows| {
                 // SAFETY: VNNI was detected; `xq` holds x for this format; each thread writes

@@ -18,6 +18,8 @@ pub mod math;
 pub mod matmul;
 mod micro;
 pub(crate) mod simd;
+#[cfg(target_arch = "x86_64")]
+mod q8_packed;
 pub mod threads;
 #[cfg(target_arch = "x86_64")]
 mod vnni;

@@ -27,6 +27,18 @@ impl WeightBytes for MappedTensor {
     fn bytes(&self) -> &[u8] {
         &self.map[self.start..self.start + self.len]
     }
+
+    fn release_pages(&self, range: std::ops::Range<usize>) {
+        // Whole pages inside the range only (neighbours may still be in use).
+        let page = 4096;
+        let (start, end) = (self.start + range.start, self.start + range.end.min(self.len));
+        let (lo, hi) = (start.div_ceil(page) * page, end / page * page);
+        if lo < hi {
+            // SAFETY: a read-only file mapping; dropped pages are read from the file again on
+            // the next access, so no data is lost.
+            let _ = unsafe { self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, lo, hi - lo) };
+        }
+    }
 }
 
 impl GgufFile {

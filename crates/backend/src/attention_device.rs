@@ -118,7 +118,7 @@ fn append_and_attend_cuda(s: &StaticStep<'_>) -> Result<Option<Tensor>> {
     if !matches!(s.q.device(), Device::Cuda(_)) {
         return Ok(None);
     }
-    let (cos, sin, interleaved) = s.rope.tables();
+    let (cos, sin, interleaved) = s.rope.tables()?;
     let tables = RopeTables { cos, sin, interleaved };
     let (q, k, v) = (s.q.contiguous()?, s.k.contiguous()?, s.v.contiguous()?);
     let a = DecodeAttention {

@@ -5,7 +5,7 @@
 //!   checkpoints, Qwen2 and Gemma.
 //! Both rotate pair i of a token at position p by the angle p · base^(-2i/d).
 
-use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RopeStyle {
@@ -13,15 +13,25 @@ pub enum RopeStyle {
     HalfSplit,
 }
 
-/// Precomputed cos/sin tables for positions 0..max_positions, held once, as tensors on the
-/// model's device (the CPU kernel reads the tensors' storage: a second host copy cost Gemma 3
-/// 67 MB of resident memory).
-#[derive(Clone, Debug)]
+/// Rows of the cos/sin tables computed together on the CPU.
+const CPU_CHUNK: usize = 1024;
+
+/// cos/sin tables for positions 0..max_positions. On a GPU both are whole tensors on the device
+/// from the start (the kernels and the captured step index them by position). On the CPU, rows
+/// are computed in chunks of `CPU_CHUNK` positions on first use: a model's full context (Gemma 3:
+/// 32,768 positions × 2 tables × 2 bases) would otherwise sit in memory unread, 67 MB of it.
+#[derive(Debug)]
 pub struct Rope {
     style: RopeStyle,
     half: usize,
-    cos_t: Tensor,
-    sin_t: Tensor,
+    inv_freq: Vec<f64>,
+    max_positions: usize,
+    device: Device,
+    /// Whole tables as tensors: built in `new` off the CPU, on first use on the CPU (only the
+    /// reference compositions and the static step use them there).
+    tensors: std::sync::OnceLock<(Tensor, Tensor)>,
+    /// CPU: chunk c holds positions c·CPU_CHUNK.. as (cos, sin), `half` values per position.
+    chunks: Vec<std::sync::OnceLock<(Vec<f32>, Vec<f32>)>>,
 }
 
 impl Rope {
@@ -41,18 +51,44 @@ impl Rope {
                 f / freq_factors.map_or(1.0, |ff| ff[i] as f64)
             })
             .collect();
-        let mut cos = Vec::with_capacity(max_positions * half);
-        let mut sin = Vec::with_capacity(max_positions * half);
-        for p in 0..max_positions {
-            for f in &inv_freq {
+        let chunks = (0..max_positions.div_ceil(CPU_CHUNK)).map(|_| std::sync::OnceLock::new()).collect();
+        let rope = Self { style, half, inv_freq, max_positions, device: device.clone(), tensors: Default::default(), chunks };
+        if !device.is_cpu() {
+            rope.table_tensors()?;
+        }
+        Ok(rope)
+    }
+
+    /// cos and sin of positions `positions`, `half` values each.
+    fn rows(&self, positions: std::ops::Range<usize>) -> (Vec<f32>, Vec<f32>) {
+        let n = positions.len() * self.half;
+        let (mut cos, mut sin) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for p in positions {
+            for f in &self.inv_freq {
                 let angle = p as f64 * f;
                 cos.push(angle.cos() as f32);
                 sin.push(angle.sin() as f32);
             }
         }
-        let cos_t = Tensor::from_vec(cos, (max_positions, half), device)?;
-        let sin_t = Tensor::from_vec(sin, (max_positions, half), device)?;
-        Ok(Self { style, half, cos_t, sin_t })
+        (cos, sin)
+    }
+
+    /// The CPU chunk holding position `p`, and p's offset in it.
+    fn cpu_chunk(&self, p: usize) -> (&(Vec<f32>, Vec<f32>), usize) {
+        let c = p / CPU_CHUNK;
+        let start = c * CPU_CHUNK;
+        let chunk = self.chunks[c].get_or_init(|| self.rows(start..(start + CPU_CHUNK).min(self.max_positions)));
+        (chunk, (p - start) * self.half)
+    }
+
+    fn table_tensors(&self) -> candle_core::Result<&(Tensor, Tensor)> {
+        if let Some(t) = self.tensors.get() {
+            return Ok(t);
+        }
+        let (cos, sin) = self.rows(0..self.max_positions);
+        let shape = (self.max_positions, self.half);
+        let t = (Tensor::from_vec(cos, shape, &self.device)?, Tensor::from_vec(sin, shape, &self.device)?);
+        Ok(self.tensors.get_or_init(|| t))
     }
 
     pub fn style(&self) -> RopeStyle {
@@ -60,7 +96,7 @@ impl Rope {
     }
 
     pub fn max_positions(&self) -> usize {
-        self.cos_t.dims()[0]
+        self.max_positions
     }
 
     /// Rotates `x: [tokens, heads, head_dim]` whose tokens sit at positions start.. start+tokens.
@@ -97,15 +133,17 @@ impl Rope {
             return Ok(y);
         }
         let idx = pos.flatten_all()?;
-        let cos = self.cos_t.index_select(&idx, 0)?.to_dtype(x.dtype())?;
-        let sin = self.sin_t.index_select(&idx, 0)?.to_dtype(x.dtype())?;
+        let (cos_t, sin_t) = self.table_tensors()?;
+        let cos = cos_t.index_select(&idx, 0)?.to_dtype(x.dtype())?;
+        let sin = sin_t.index_select(&idx, 0)?.to_dtype(x.dtype())?;
         self.rotate_generic(x, &cos, &sin)
     }
 
     /// The f32 tables `[max_positions, head_dim/2]` on the model's device and whether pairs are
     /// interleaved (for kernels that rotate on the fly).
-    pub fn tables(&self) -> (&Tensor, &Tensor, bool) {
-        (&self.cos_t, &self.sin_t, self.style == RopeStyle::Interleaved)
+    pub fn tables(&self) -> candle_core::Result<(&Tensor, &Tensor, bool)> {
+        let (cos, sin) = self.table_tensors()?;
+        Ok((cos, sin, self.style == RopeStyle::Interleaved))
     }
 
     #[cfg(feature = "cuda")]
@@ -113,15 +151,16 @@ impl Rope {
         if !matches!(x.device(), Device::Cuda(_)) {
             return Ok(None);
         }
-        let interleaved = self.style == RopeStyle::Interleaved;
-        crate::cuda::ops::rope(&x.contiguous()?, &self.cos_t, &self.sin_t, pos, interleaved)
+        let (cos, sin, interleaved) = self.tables()?;
+        crate::cuda::ops::rope(&x.contiguous()?, cos, sin, pos, interleaved)
     }
 
     /// Device-independent composition of candle ops (the reference for the fused kernels).
     pub fn apply_generic(&self, x: &Tensor, start: usize) -> candle_core::Result<Tensor> {
         let tokens = x.dims3()?.0;
-        let cos = self.cos_t.narrow(0, start, tokens)?.to_dtype(x.dtype())?;
-        let sin = self.sin_t.narrow(0, start, tokens)?.to_dtype(x.dtype())?;
+        let (cos_t, sin_t) = self.table_tensors()?;
+        let cos = cos_t.narrow(0, start, tokens)?.to_dtype(x.dtype())?;
+        let sin = sin_t.narrow(0, start, tokens)?.to_dtype(x.dtype())?;
         self.rotate_generic(x, &cos, &sin)
     }
 
@@ -168,15 +207,10 @@ impl CustomOp1 for RopeCpu<'_> {
         let (tokens, heads, dim) = layout.shape().dims3()?;
         let x = &data[layout.start_offset()..layout.start_offset() + tokens * heads * dim];
         let half = self.rope.half;
-        let (cos_s, _) = self.rope.cos_t.storage_and_layout();
-        let (sin_s, _) = self.rope.sin_t.storage_and_layout();
-        let (Storage::Cpu(CpuStorage::F32(cos_all)), Storage::Cpu(CpuStorage::F32(sin_all))) = (&*cos_s, &*sin_s) else {
-            candle_core::bail!("rope: the tables are not f32 on the CPU")
-        };
         let mut out = vec![0f32; x.len()];
         for t in 0..tokens {
-            let row = (self.start + t) * half;
-            let (cos, sin) = (&cos_all[row..row + half], &sin_all[row..row + half]);
+            let ((cos_all, sin_all), at) = self.rope.cpu_chunk(self.start + t);
+            let (cos, sin) = (&cos_all[at..at + half], &sin_all[at..at + half]);
             for h in 0..heads {
                 let o = (t * heads + h) * dim;
                 let (src, dst) = (&x[o..o + dim], &mut out[o..o + dim]);

@@ -139,7 +139,7 @@ fn check_attention(dev: &Device, hq: usize, hkv: usize, d: usize, s: usize, wind
     // Static step: append token s-1 (rotated) into a copy of the buffer and attend at a device
     // position; compare with rope + host-position attention over the same keys.
     let rope = Rope::new(RopeStyle::HalfSplit, d, 10000.0, cap + 1, None, dev)?;
-    let (cos, sin, interleaved) = rope.tables();
+    let (cos, sin, interleaved) = rope.tables()?;
     let tables = RopeTables { cos, sin, interleaved };
     let kn = randn((1, hkv, d), bf, dev)?;
     let vn = randn((1, hkv, d), bf, dev)?;

@@ -118,13 +118,7 @@ mod tests {
             eprintln!("SKIP: no AVX-512 VNNI");
             return;
         }
-        let mut seed = 0x2545f4914f6cdd1du64;
-        let mut rnd = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        };
+        let mut rnd = vnni::tests::uniform(0x2545f4914f6cdd1d);
         for (rows, cols) in [(13, 96), (64, 640), (7, 32)] {
             let wf: Vec<f32> = (0..rows * cols).map(|_| rnd()).collect();
             let x: Vec<f32> = (0..cols).map(|_| rnd() * 3.0).collect();

@@ -479,13 +479,7 @@ pub(super) mod tests {
             return;
         }
         let rows = 11;
-        let mut seed = 0x9e3779b97f4a7c15u64;
-        let mut rnd = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        };
+        let mut rnd = uniform(0x9e3779b97f4a7c15);
         let wf: Vec<f32> = (0..rows * cols).map(|_| rnd()).collect();
         let x: Vec<f32> = (0..cols).map(|i| rnd() * if i % 7 == 0 { 5.0 } else { 1.0 }).collect();
         let w = quantize_rows::<V>(&wf, rows, cols);
@@ -516,6 +510,16 @@ pub(super) mod tests {
     }
 
     /// Quantizes f32 rows with candle's reference quantizer.
+    /// Deterministic values in [-1, 1) (xorshift64), for the kernels' tests.
+    pub(in crate::cpu) fn uniform(mut seed: u64) -> impl FnMut() -> f32 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        }
+    }
+
     pub(in crate::cpu) fn quantize_rows<V: Vnni>(wf: &[f32], rows: usize, cols: usize) -> Vec<u8> {
         use candle_core::quantized::{GgmlDType, QTensor};
         let dt = match V::BYTES {

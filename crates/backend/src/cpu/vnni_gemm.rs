@@ -204,13 +204,7 @@ mod tests {
             return;
         }
         let (rows, t) = (11, 70);
-        let mut seed = 0x2545f4914f6cdd1du64;
-        let mut rnd = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        };
+        let mut rnd = super::super::vnni::tests::uniform(0x2545f4914f6cdd1d);
         let wf: Vec<f32> = (0..rows * cols).map(|_| rnd()).collect();
         let x: Vec<f32> = (0..t * cols).map(|i| rnd() * if i % 7 == 0 { 5.0 } else { 1.0 }).collect();
         let w = super::super::vnni::tests::quantize_rows::<V>(&wf, rows, cols);

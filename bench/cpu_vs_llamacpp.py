@@ -104,10 +104,13 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--only", help="run only the rows whose label contains this (prints, does not write results)")
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     rows = []
     for label, file in ROWS:
+        if args.only and args.only not in label:
+            continue
         model = MODELS / file
         if not model.exists():
             print(f"skip {label}: {model} missing", file=sys.stderr)
@@ -122,10 +125,10 @@ def main() -> None:
         row = {"model": label, "prompt_tokens": len(ids), "llama_cpp": merge(lc), "ferrolm": merge(fe)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    write(rows, args, commit)
+    write(rows, args, commit, save=not args.only)
 
 
-def write(rows: list, args, commit: str) -> None:
+def write(rows: list, args, commit: str, save: bool) -> None:
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     head = (f"# ferrolm vs llama.cpp on CPU\n\n{date.today()}, commit {commit}, {cpu}, {args.threads} threads, "
             f"{args.prompt}-token prompt, {args.decode} decode tokens, median of {args.runs} runs x {args.rounds} "
@@ -140,11 +143,12 @@ def write(rows: list, args, commit: str) -> None:
             f"| {a['decode_tps']:.1f} / {b['decode_tps']:.1f} / **{b['decode_tps'] / a['decode_tps']:.2f}** "
             f"| {a['ttft_ms']:.0f} / {b['ttft_ms']:.0f} | {a['load_s']:.2f} / {b['load_s']:.2f} "
             f"| {a['peak_rss_mb']:.0f} / {b['peak_rss_mb']:.0f} |")
-    out = ROOT / "bench/results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cpu_vs_llamacpp.md").write_text(head + "\n".join(lines) + "\n")
-    (out / "cpu_vs_llamacpp.json").write_text(json.dumps({"commit": commit, "date": str(date.today()), "rows": rows}, indent=1))
     print(head + "\n".join(lines))
+    if save:
+        out = ROOT / "bench/results"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "cpu_vs_llamacpp.md").write_text(head + "\n".join(lines) + "\n")
+        (out / "cpu_vs_llamacpp.json").write_text(json.dumps({"commit": commit, "date": str(date.today()), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor};
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
     let cpu_f32 = matches!(gate.device(), Device::Cpu) && gate.dtype() == DType::F32 && up.dtype() == DType::F32;
     if cpu_f32 && gate.shape() == up.shape() {
-        return gate.contiguous()?.apply_op2_no_bwd(&up.contiguous()?, &GatedMul { name: "silu-mul", act: math::silu });
+        return gated_mul(gate, up, GatedMul { name: "silu-mul", act: math::silu });
     }
     #[cfg(feature = "cuda")]
     if let Some(y) = crate::cuda::ops::silu_mul(&gate.contiguous()?, &up.contiguous()?)? {
@@ -20,7 +20,7 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
 pub fn gelu_tanh_mul(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
     let cpu_f32 = matches!(gate.device(), Device::Cpu) && gate.dtype() == DType::F32 && up.dtype() == DType::F32;
     if cpu_f32 && gate.shape() == up.shape() {
-        return gate.contiguous()?.apply_op2_no_bwd(&up.contiguous()?, &GatedMul { name: "gelu-tanh-mul", act: math::gelu_tanh });
+        return gated_mul(gate, up, GatedMul { name: "gelu-tanh-mul", act: math::gelu_tanh });
     }
     gate.gelu()? * up
 }
@@ -48,6 +48,29 @@ pub fn increment(p: &Tensor) -> candle_core::Result<()> {
     p.slice_set(&next, 0, 0)
 }
 
+/// `op` on gate and up as they are where both are rows with contiguous values (e.g. the two
+/// halves of a stacked gate|up product, read in place), else on contiguous copies.
+fn gated_mul<A: Fn(f32) -> f32 + Send + Sync + Copy>(gate: &Tensor, up: &Tensor, op: GatedMul<A>) -> candle_core::Result<Tensor> {
+    if rows(gate.layout()).is_some() && rows(up.layout()).is_some() {
+        return gate.apply_op2_no_bwd(up, &op);
+    }
+    gate.contiguous()?.apply_op2_no_bwd(&up.contiguous()?, &op)
+}
+
+/// A layout as rows of contiguous values: (first offset, rows, row length, row stride), where
+/// the leading dimensions are regular (rows evenly spaced).
+fn rows(l: &Layout) -> Option<(usize, usize, usize, usize)> {
+    let (dims, strides) = (l.shape().dims(), l.stride());
+    let n = dims.len();
+    let cols = *dims.last()?;
+    if strides[n - 1] != 1 && cols > 1 {
+        return None;
+    }
+    let row_stride = if n >= 2 { strides[n - 2] } else { cols };
+    let regular = (0..n.saturating_sub(2)).all(|i| dims[i] <= 1 || strides[i] == strides[i + 1] * dims[i + 1]);
+    regular.then(|| (l.start_offset(), l.shape().elem_count() / cols.max(1), cols, row_stride))
+}
+
 /// act(gate) · up on f32 CPU tensors, one threaded pass (SwiGLU, GeGLU). `act` is a function
 /// item, so each activation gets its own inlined, vectorizable loop.
 struct GatedMul<A> {
@@ -62,24 +85,31 @@ impl<A: Fn(f32) -> f32 + Send + Sync + Copy> CustomOp2 for GatedMul<A> {
 
     fn cpu_fwd(&self, a: &CpuStorage, al: &Layout, b: &CpuStorage, bl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let (CpuStorage::F32(a), CpuStorage::F32(b)) = (a, b) else { candle_core::bail!("{}: expected f32", self.name) };
-        let n = al.shape().elem_count();
-        let a = &a[al.start_offset()..al.start_offset() + n];
-        let b = &b[bl.start_offset()..bl.start_offset() + n];
+        let (Some(ra), Some(rb)) = (rows(al), rows(bl)) else { candle_core::bail!("{}: inputs are not rows", self.name) };
         let act = self.act;
-        Ok((CpuStorage::F32(map2(a, b, |g, u| act(g) * u)), al.shape().clone()))
+        Ok((CpuStorage::F32(map2_rows(a, ra, b, rb, |g, u| act(g) * u)), al.shape().clone()))
     }
 }
 
-/// `f(a[i], b[i])` for every i, split over the CPU threads when large.
-fn map2(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) -> Vec<f32> {
+/// `f(a[i], b[i])` for every element of two equally shaped row layouts (`rows`), into a
+/// contiguous result, split over the CPU threads when large.
+fn map2_rows(a: &[f32], (a0, n, cols, sa): (usize, usize, usize, usize), b: &[f32], (b0, _, _, sb): (usize, usize, usize, usize), f: impl Fn(f32, f32) -> f32 + Sync) -> Vec<f32> {
     use crate::cpu::threads::{parallel_ranges, SharedOut};
-    let mut out = vec![0f32; a.len()];
+    let mut out = vec![0f32; n * cols];
     let shared = SharedOut::new(&mut out);
-    parallel_ranges(a.len(), 64, a.len() >= 1 << 14, |r| {
-        // SAFETY: each thread writes only its own range of `out`.
-        let o = unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(r.start), r.len()) };
-        for (o, (x, y)) in o.iter_mut().zip(a[r.clone()].iter().zip(&b[r])) {
-            *o = f(*x, *y);
+    // Flat ranges (rows × cols), so that a few long rows still split over the threads.
+    parallel_ranges(n * cols, 64, n * cols >= 1 << 14, |r| {
+        let mut i = r.start;
+        while i < r.end {
+            let (row, col) = (i / cols, i % cols);
+            let len = (cols - col).min(r.end - i);
+            let (x, y) = (&a[a0 + row * sa + col..][..len], &b[b0 + row * sb + col..][..len]);
+            // SAFETY: each thread writes only its own range of `out`.
+            let o = unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(i), len) };
+            for (o, (x, y)) in o.iter_mut().zip(x.iter().zip(y)) {
+                *o = f(*x, *y);
+            }
+            i += len;
         }
     });
     out
@@ -110,6 +140,23 @@ mod tests {
         let want = (g.gelu()? * &u)?;
         let diff = (gelu_tanh_mul(&g, &u)? - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(diff < 1e-5, "{diff}");
+        Ok(())
+    }
+
+    /// The halves of a stacked `[t, 2n]` product, read in place, give what contiguous copies give.
+    #[test]
+    fn gated_mul_reads_strided_halves() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let stacked = Tensor::randn(0f32, 2.0, (5, 2, 3000), &dev)?.reshape((5, 6000))?;
+        let (g, u) = (stacked.narrow(1, 0, 3000)?, stacked.narrow(1, 3000, 3000)?);
+        assert!(!g.is_contiguous() && rows(u.layout()).is_some());
+        for (got, want) in [
+            (gelu_tanh_mul(&g, &u)?, (g.gelu()? * &u)?),
+            (silu_mul(&g, &u)?, (candle_nn::ops::silu(&g)? * &u)?),
+        ] {
+            let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff < 1e-5, "{diff}");
+        }
         Ok(())
     }
 

@@ -26,6 +26,8 @@ mod vnni;
 #[cfg(target_arch = "x86_64")]
 mod vnni_gemm;
 #[cfg(target_arch = "x86_64")]
+mod vnni_packed;
+#[cfg(target_arch = "x86_64")]
 mod x86;
 
 pub use formats::Format;

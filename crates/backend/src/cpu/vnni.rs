@@ -259,7 +259,7 @@ impl Vnni for formats::Q6K {
 /// Which block (0 or 1 of the pair) each i32 lane of the accumulator belongs to, as an index
 /// into `[d0, m0, d1, m1]`.
 #[inline(always)]
-unsafe fn scale_index(layout: Layout) -> __m512i {
+pub(super) unsafe fn scale_index(layout: Layout) -> __m512i {
     match layout {
         Layout::Nibbles => _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0),
         Layout::Natural => _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0),

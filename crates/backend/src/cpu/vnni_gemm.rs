@@ -10,16 +10,17 @@
 
 #![cfg(target_arch = "x86_64")]
 
-use super::vnni::{QPair, Vnni};
+use super::vnni::{scale_index, Layout, QPair, Vnni};
 use std::arch::x86_64::*;
 
 /// Tokens per block: a block's quantized activations (320 bytes per 64 values) stay in L2
 /// while every weight row of the thread passes over them.
 const TOKEN_BLOCK: usize = 32;
-const _: () = assert!(TOKEN_BLOCK % TOKENS == 0 && TOKENS <= 8);
+const _: () = assert!(TOKEN_BLOCK % TOKENS == 0);
 
-/// Tokens per register tile (with 4 weight rows).
-pub const TOKENS: usize = 8;
+/// Tokens per group of the activation layout and per register tile (with 4 weight rows): 16
+/// accumulators, so that each pair's weight unpacking serves 16 tokens.
+pub const TOKENS: usize = 16;
 
 /// Where pair p of token `tok` sits in the activations `gemm` reads: tokens in groups of
 /// `TOKENS`, each group's pairs interleaved (`[group][pair][token in group]`), so that a tile
@@ -59,22 +60,27 @@ pub unsafe fn gemm<V: Vnni>(w: &[u8], cols: usize, xq: &[QPair], t: usize, rows:
                 let wr = w.as_ptr().add(r * row_bytes);
                 let xj = xq.as_ptr().add(pair_index(j, 0, pairs));
                 let out = y.add(j * ld + r);
-                match nt {
-                    8 => tile::<V, 8>(wr, nr, xj, &shape, out, ld),
-                    7 => tile::<V, 7>(wr, nr, xj, &shape, out, ld),
-                    6 => tile::<V, 6>(wr, nr, xj, &shape, out, ld),
-                    5 => tile::<V, 5>(wr, nr, xj, &shape, out, ld),
-                    4 => tile::<V, 4>(wr, nr, xj, &shape, out, ld),
-                    3 => tile::<V, 3>(wr, nr, xj, &shape, out, ld),
-                    2 => tile::<V, 2>(wr, nr, xj, &shape, out, ld),
-                    _ => tile::<V, 1>(wr, nr, xj, &shape, out, ld),
-                }
+                tile_of::<V>(nt, wr, nr, xj, &shape, out, ld);
                 j += nt;
             }
             r += nr;
         }
         t0 = t1;
     }
+}
+
+/// `tile` for `nt` tokens (1..=TOKENS), each count its own instance.
+#[inline(always)]
+unsafe fn tile_of<V: Vnni>(nt: usize, w: *const u8, nr: usize, xq: *const QPair, s: &Shape, y: *mut f32, ld: usize) {
+    macro_rules! by_count {
+        ($($m:literal)*) => {
+            match nt {
+                $($m => tile::<V, $m>(w, nr, xq, s, y, ld),)*
+                _ => unreachable!("tile of {nt} tokens"),
+            }
+        };
+    }
+    by_count!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
 }
 
 struct Shape {
@@ -88,20 +94,20 @@ struct Shape {
 /// the last valid row) × M ≤ TOKENS tokens of the token group at `xq`, written to
 /// `y[j·ld + i]`.
 ///
-/// Per token, the four rows' integer sums are reduced across lanes before anything is
-/// converted to f32 (`reduce4`): lane i of each 128-bit chunk then holds row i's sum over that
-/// chunk (the chunk's 16 values share one activation and one weight scale), so one conversion,
-/// one scale product and one FMA serve four rows.
+/// The four rows' quants are transposed once per pair (`transpose4`) so that, per token, lane i
+/// of each 128-bit chunk accumulates row i's integer sum over that chunk (the chunk's 16 values
+/// share one activation and one weight scale) before anything is converted to f32: one
+/// conversion, one scale product and one FMA serve four rows.
 #[inline(always)]
 unsafe fn tile<V: Vnni, const M: usize>(w: *const u8, nr: usize, xq: *const QPair, s: &Shape, y: *mut f32, ld: usize) {
     let mut acc = [_mm512_setzero_ps(); M];
-    // Min terms: 128-bit chunk i of macc[j] is gemv's `macc` of row i and token j.
-    let mut macc = [_mm512_setzero_ps(); M];
+    // Lane l of the activations' `[0, s0, 0, s1]` → lane l of the min terms' s.
+    let s_index = _mm512_add_epi32(scale_index(V::LAYOUT), _mm512_set1_epi32(1));
     let per_block = (V::N / 64).max(1);
     for p in 0..s.pairs {
         let mut wq = [_mm512_setzero_si512(); 4];
         let mut dw = [_mm512_setzero_ps(); 4];
-        let mut mm = _mm512_setzero_ps();
+        let mut dm = [_mm_setzero_ps(); 4];
         for i in 0..4 {
             let row = w.add(i.min(nr - 1) * s.row_bytes);
             let (q, d, m) = if V::N == 32 {
@@ -111,33 +117,31 @@ unsafe fn tile<V: Vnni, const M: usize>(w: *const u8, nr: usize, xq: *const QPai
             };
             wq[i] = q;
             dw[i] = d;
-            if V::MIN {
-                mm = insert_chunk(mm, m, i);
-            }
+            dm[i] = m;
         }
+        let mins = if V::MIN { min_terms::<V>(dm) } else { _mm512_setzero_ps() };
         // Lane i of chunk k: row i's weight scale of chunk k.
         let dw4 = _mm512_castpd_ps(_mm512_unpacklo_pd(
             _mm512_castps_pd(_mm512_unpacklo_ps(dw[0], dw[1])),
             _mm512_castps_pd(_mm512_unpacklo_ps(dw[2], dw[3])),
         ));
+        let wt = transpose4(wq);
         for j in 0..M {
             let x = &*xq.add(p * TOKENS + j);
             let xv = _mm512_load_si512(x.q.as_ptr() as *const _);
-            let z = _mm512_setzero_si512();
-            let mut u = reduce4(
-                _mm512_dpbusd_epi32(z, wq[0], xv),
-                _mm512_dpbusd_epi32(z, wq[1], xv),
-                _mm512_dpbusd_epi32(z, wq[2], xv),
-                _mm512_dpbusd_epi32(z, wq[3], xv),
-            );
+            // Lane i of chunk c: Σ over the chunk's four groups g of row i's group g · x's.
+            let mut u = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wt[0], _mm512_shuffle_epi32::<0x00>(xv));
+            u = _mm512_dpbusd_epi32(u, wt[1], _mm512_shuffle_epi32::<0x55>(xv));
+            u = _mm512_dpbusd_epi32(u, wt[2], _mm512_shuffle_epi32::<0xaa>(xv));
+            u = _mm512_dpbusd_epi32(u, wt[3], _mm512_shuffle_epi32::<0xff>(xv));
             if V::OFFSET != 0 {
                 u = _mm512_add_epi32(u, _mm512_load_si512(x.corr4.as_ptr() as *const _));
             }
             let scale = _mm512_mul_ps(dw4, _mm512_load_ps(x.dx.as_ptr()));
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), scale, acc[j]);
             if V::MIN {
-                let sx = _mm512_broadcast_f32x4(_mm_load_ps(x.s.as_ptr()));
-                macc[j] = _mm512_fmadd_ps(mm, sx, macc[j]);
+                let sx = _mm512_permutexvar_ps(s_index, _mm512_castps128_ps512(_mm_load_ps(x.s.as_ptr())));
+                acc[j] = _mm512_fmadd_ps(mins, sx, acc[j]);
             }
         }
     }
@@ -145,47 +149,45 @@ unsafe fn tile<V: Vnni, const M: usize>(w: *const u8, nr: usize, xq: *const QPai
         let a = acc[j];
         let lo = _mm_add_ps(_mm512_extractf32x4_ps::<0>(a), _mm512_extractf32x4_ps::<1>(a));
         let hi = _mm_add_ps(_mm512_extractf32x4_ps::<2>(a), _mm512_extractf32x4_ps::<3>(a));
-        let mut out = [0f32; 4];
-        _mm_storeu_ps(out.as_mut_ptr(), _mm_add_ps(lo, hi));
-        for (i, o) in out.iter().enumerate().take(nr) {
-            let mut v = *o;
-            if V::MIN {
-                let m = extract_chunk(macc[j], i);
-                let m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-                v += _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps::<1>(m, m)));
-            }
-            *y.add(j * ld + i) = v;
-        }
+        // A masked store: a loop over `nr` values became a call to memcpy per token.
+        _mm_mask_storeu_ps(y.add(j * ld), (1u8 << nr.min(4)) - 1, _mm_add_ps(lo, hi));
     }
 }
 
-/// Four vectors of 16 i32 → lane i of each 128-bit chunk = the sum of vector i's four lanes
-/// in that chunk.
+/// Four rows' 64 quants → `t[j]`: lane i of 128-bit chunk c holds row i's four quants of
+/// group (dword) j of chunk c. A `vpdpbusd` of `t[j]` against the activations' dword j of
+/// each chunk (`_mm512_shuffle_epi32`) then adds row i's four products of that group into lane
+/// i, so four chained `vpdpbusd` leave lane i of chunk c = row i's integer sum over chunk c
+/// with no reduction across lanes.
 #[inline(always)]
-unsafe fn reduce4(a: __m512i, b: __m512i, c: __m512i, d: __m512i) -> __m512i {
-    // [a0+a2, b0+b2, a1+a3, b1+b3] per chunk, likewise for c, d.
-    let ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
-    let cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
-    _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd))
+unsafe fn transpose4(w: [__m512i; 4]) -> [__m512i; 4] {
+    let ab_lo = _mm512_unpacklo_epi32(w[0], w[1]); // a0 b0 a1 b1
+    let ab_hi = _mm512_unpackhi_epi32(w[0], w[1]); // a2 b2 a3 b3
+    let cd_lo = _mm512_unpacklo_epi32(w[2], w[3]);
+    let cd_hi = _mm512_unpackhi_epi32(w[2], w[3]);
+    [
+        _mm512_unpacklo_epi64(ab_lo, cd_lo),
+        _mm512_unpackhi_epi64(ab_lo, cd_lo),
+        _mm512_unpacklo_epi64(ab_hi, cd_hi),
+        _mm512_unpackhi_epi64(ab_hi, cd_hi),
+    ]
 }
 
+/// The four rows' min terms `[_, m0, _, m1]` (w = d·q + m per 32-value block) laid out like
+/// the accumulators: lane i of the first chunk of block b holds row i's m_b, every other lane
+/// 0. Multiplied by each lane's s = d_x·Σq_x of its block, they add m·s to the same
+/// accumulator, so formats with a min need no second one.
 #[inline(always)]
-unsafe fn insert_chunk(v: __m512, part: __m128, at: usize) -> __m512 {
-    match at {
-        0 => _mm512_insertf32x4::<0>(v, part),
-        1 => _mm512_insertf32x4::<1>(v, part),
-        2 => _mm512_insertf32x4::<2>(v, part),
-        _ => _mm512_insertf32x4::<3>(v, part),
-    }
-}
-
-#[inline(always)]
-unsafe fn extract_chunk(v: __m512, at: usize) -> __m128 {
-    match at {
-        0 => _mm512_extractf32x4_ps::<0>(v),
-        1 => _mm512_extractf32x4_ps::<1>(v),
-        2 => _mm512_extractf32x4_ps::<2>(v),
-        _ => _mm512_extractf32x4_ps::<3>(v),
+unsafe fn min_terms<V: Vnni>(dm: [__m128; 4]) -> __m512 {
+    let (lo01, lo23) = (_mm_unpacklo_ps(dm[0], dm[1]), _mm_unpacklo_ps(dm[2], dm[3]));
+    let (hi01, hi23) = (_mm_unpackhi_ps(dm[0], dm[1]), _mm_unpackhi_ps(dm[2], dm[3]));
+    let m0 = _mm_movehl_ps(lo23, lo01); // rows 0–3's m0
+    let m1 = _mm_movehl_ps(hi23, hi01);
+    let v = _mm512_castps128_ps512(m0);
+    match V::LAYOUT {
+        // Block 1 starts at chunk 2 (Natural) or 1 (Nibbles).
+        Layout::Natural => _mm512_insertf32x4::<2>(_mm512_insertf32x4::<1>(v, _mm_setzero_ps()), m1),
+        Layout::Nibbles => _mm512_insertf32x4::<2>(_mm512_insertf32x4::<1>(v, m1), _mm_setzero_ps()),
     }
 }
 
@@ -249,5 +251,60 @@ mod tests {
         check::<formats::Q8_0>(96);
         check::<formats::Q4K>(512);
         check::<formats::Q6K>(768);
+    }
+}
+
+#[cfg(test)]
+mod speed {
+    use super::super::formats;
+    use super::super::vnni::{available, quantize_strided, QPair};
+    use super::*;
+
+    fn rate<V: Vnni>(name: &str, rows: usize, cols: usize) {
+        rate_with::<V, V>(name, rows, cols, |w| w);
+    }
+
+    fn rate_packed<R: super::super::vnni_packed::Repacked>(name: &str, rows: usize, cols: usize) {
+        rate_with::<R::Source, R>(name, rows, cols, |w| unsafe { super::super::vnni_packed::pack::<R>(&w, rows, cols, &|_| {}) });
+    }
+
+    fn rate_with<S: Vnni, V: Vnni>(name: &str, rows: usize, cols: usize, prep: impl Fn(Vec<u8>) -> Vec<u8>) {
+        let t = 512;
+        let mut rnd = super::super::vnni::tests::uniform(7);
+        let wf: Vec<f32> = (0..rows * cols).map(|_| rnd()).collect();
+        let x: Vec<f32> = (0..t * cols).map(|_| rnd()).collect();
+        let w = prep(super::super::vnni::tests::quantize_rows::<S>(&wf, rows, cols));
+        let pairs = cols.div_ceil(64);
+        let mut xq = vec![QPair::ZERO; pairs_len(t, pairs)];
+        let mut y = vec![0f32; t * rows];
+        unsafe {
+            for (tok, xr) in x.chunks_exact(cols).enumerate() {
+                quantize_strided::<V>(xr, xq.as_mut_ptr().add(pair_index(tok, 0, pairs)), TOKENS);
+            }
+            let mut best = f64::MAX;
+            for _ in 0..20 {
+                let s = std::time::Instant::now();
+                gemm::<V>(&w, cols, &xq, t, 0..rows, y.as_mut_ptr(), rows);
+                best = best.min(s.elapsed().as_secs_f64());
+            }
+            eprintln!("{name} {rows}x{cols} t={t}: {:.1} GMAC/s", (rows * cols * t) as f64 / best / 1e9);
+        }
+    }
+
+    #[test]
+    #[ignore]
+    fn gemm_rate() {
+        if !available() {
+            return;
+        }
+        rate::<formats::Q5_0>("Q5_0", 2048, 640);
+        rate::<formats::Q6K>("Q6_K", 640, 2048);
+        rate::<formats::Q4K>("Q4_K", 640, 1024);
+        rate::<formats::Q8_0>("Q8_0", 1536, 576);
+        rate::<formats::Q4_1>("Q4_1", 1536, 576);
+        use super::super::vnni_packed::*;
+        rate_packed::<Q5_0Pairs>("Q5_0 packed", 2048, 640);
+        rate_packed::<Q6KPairs>("Q6_K packed", 640, 2048);
+        rate_packed::<Q4KPairs>("Q4_K packed", 640, 1024);
     }
 }

@@ -1,0 +1,276 @@
+//! Quantized weights repacked at load for the 8-bit kernels (`vnni`, `vnni_gemm`), for the
+//! formats whose file layout is dear to unpack per use: in Q5_0 the fifth bits are spread over a
+//! 32-bit word per block and have to be rearranged into a byte mask with scalar shifts; in Q4_K
+//! and Q6_K each pair's scales are 6- or 8-bit fields that have to be extracted, widened and
+//! multiplied by the super-block scale. These took ~20 instructions per row and pair, more than
+//! the multiplications themselves, in decode and again for every tile in prefill.
+//!
+//! A repacked pair holds exactly what `Vnni::load_pair` of the source format computes, stored
+//! ready to load: Q5_0 keeps its nibbles and gets its fifth bits as the 64-bit mask, Q4_K keeps
+//! its nibbles and gets its four f32 (scale, min) products, Q6_K gets its 64 six-bit values as
+//! bytes and its four f32 scale products. The pairs are produced by the source format's own
+//! `load_pair`, so products are bit-identical to the file layout's.
+//!
+//! Sizes per 64 values: Q5_0 44 bytes (as the file), Q4_K 48 (file 36), Q6_K 80 (file 52.5).
+
+#![cfg(target_arch = "x86_64")]
+
+use super::formats::{self, Block};
+use super::vnni::{Layout, Vnni};
+use std::arch::x86_64::*;
+
+/// Rows per released range of the source while packing (the peak holds about one copy).
+const RELEASE_ROWS: usize = 256;
+
+/// A repacked format: pairs of 64 values (`Block::N` = 64), each `Block::BYTES` long.
+pub trait Repacked: Vnni {
+    type Source: Vnni;
+
+    /// Writes pair `p` of the source row at `row` into `out[..Self::BYTES]`.
+    ///
+    /// # Safety
+    /// `vnni::available()`; `row` holds a whole source row with more than `p` pairs.
+    unsafe fn pack_pair(row: *const u8, p: usize, out: &mut [u8]);
+}
+
+/// `rows` source rows of `cols` values (`cols` a multiple of 64) → the repacked rows, calling
+/// `done(range)` on each finished byte range of `w` so that its pages can be dropped.
+///
+/// # Safety
+/// `vnni::available()`.
+pub unsafe fn pack<R: Repacked>(w: &[u8], rows: usize, cols: usize, done: &dyn Fn(std::ops::Range<usize>)) -> Vec<u8> {
+    let src_row = cols / R::Source::N * R::Source::BYTES;
+    assert!(cols % 64 == 0 && w.len() == rows * src_row);
+    let pairs = cols / 64;
+    let mut out = vec![0u8; rows * pairs * R::BYTES];
+    for (r, dst) in out.chunks_exact_mut(pairs * R::BYTES).enumerate() {
+        for (p, pair) in dst.chunks_exact_mut(R::BYTES).enumerate() {
+            R::pack_pair(w.as_ptr().add(r * src_row), p, pair);
+        }
+        if (r + 1) % RELEASE_ROWS == 0 || r + 1 == rows {
+            done((r - r % RELEASE_ROWS) * src_row..(r + 1) * src_row);
+        }
+    }
+    out
+}
+
+/// The source's pair p of a row: for 32-value formats blocks 2p and 2p + 1, for 256-value
+/// ones quarter p % 4 of super-block p / 4.
+#[inline(always)]
+unsafe fn source_pair<S: Vnni>(row: *const u8, p: usize) -> (__m512i, __m512, __m128) {
+    if S::N == 32 {
+        S::load_pair(row.add(2 * p * S::BYTES), 0, true)
+    } else {
+        S::load_pair(row.add(p / 4 * S::BYTES), p % 4, true)
+    }
+}
+
+#[inline(always)]
+unsafe fn u16_at(b: *const u8) -> u16 {
+    (b as *const u16).read_unaligned()
+}
+
+/// Lane i → lane `index[i]` of `v`'s first four (spreading `[s0, s1, s2, s3]` over the lanes).
+#[inline(always)]
+unsafe fn spread(index: __m512i, v: __m128) -> __m512 {
+    _mm512_permutexvar_ps(index, _mm512_castps128_ps512(v))
+}
+
+/// Q5_0 pairs: `[b0 qs (16), b1 qs (16), fifth-bit mask in the Nibbles byte order (u64),
+/// d0, d1 (f16)]`.
+pub struct Q5_0Pairs;
+
+impl Block for Q5_0Pairs {
+    const N: usize = 64;
+    const BYTES: usize = 44;
+    fn dequant(b: &[u8], out: &mut [f32]) {
+        let mask = u64::from_le_bytes(b[32..40].try_into().unwrap());
+        for blk in 0..2 {
+            let d = formats::f16_to_f32(u16::from_le_bytes([b[40 + 2 * blk], b[41 + 2 * blk]]));
+            for j in 0..16 {
+                let q = b[16 * blk + j];
+                // Byte orders: value j → layout byte 16·blk + j, value 16 + j → 32 + 16·blk + j.
+                let (lo, hi) = (16 * blk + j, 32 + 16 * blk + j);
+                let h = |at: usize| if mask >> at & 1 == 1 { 16 } else { 0 };
+                out[32 * blk + j] = ((q & 15) as i32 + h(lo) - 16) as f32 * d;
+                out[32 * blk + 16 + j] = ((q >> 4) as i32 + h(hi) - 16) as f32 * d;
+            }
+        }
+    }
+}
+
+impl Vnni for Q5_0Pairs {
+    const LAYOUT: Layout = Layout::Nibbles;
+    const OFFSET: i32 = 16;
+    const MIN: bool = false;
+    #[inline(always)]
+    unsafe fn load_pair(b: *const u8, _p: usize, _two: bool) -> (__m512i, __m512, __m128) {
+        let mask = 0x0f0f_0f0f_0f0f_0f0f_u64 as i64;
+        let qs = _mm256_loadu_si256(b as *const __m256i);
+        let q = _mm512_inserti64x4(_mm512_castsi256_si512(qs), _mm256_srli_epi16(qs, 4), 1);
+        let q = _mm512_and_si512(q, _mm512_set1_epi64(mask));
+        let fifth = (b.add(32) as *const u64).read_unaligned();
+        let q = _mm512_mask_add_epi8(q, fifth, q, _mm512_set1_epi8(16));
+        let d = (b.add(40) as *const u32).read_unaligned();
+        // [d0, 0, d1, 0]: the `[d, m]` pairs of `vnni`'s Nibbles scale order.
+        let dm = _mm_cvtph_ps(_mm_cvtepu16_epi32(_mm_cvtsi32_si128(d as i32)));
+        let index = _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0);
+        (q, spread(index, dm), dm)
+    }
+}
+
+impl Repacked for Q5_0Pairs {
+    type Source = formats::Q5_0;
+    unsafe fn pack_pair(row: *const u8, p: usize, out: &mut [u8]) {
+        let (q, _, _) = source_pair::<Self::Source>(row, p);
+        let (b0, b1) = (row.add(2 * p * 22), row.add((2 * p + 1) * 22));
+        std::ptr::copy_nonoverlapping(b0.add(6), out.as_mut_ptr(), 16);
+        std::ptr::copy_nonoverlapping(b1.add(6), out.as_mut_ptr().add(16), 16);
+        // The fifth bits are where the source's unpacked values reach 16.
+        let fifth = _mm512_test_epi8_mask(q, _mm512_set1_epi8(16));
+        out[32..40].copy_from_slice(&fifth.to_le_bytes());
+        out[40..42].copy_from_slice(&u16_at(b0).to_le_bytes());
+        out[42..44].copy_from_slice(&u16_at(b1).to_le_bytes());
+    }
+}
+
+/// Q4_K pairs: `[the pair's 32 nibble bytes, d·sc0, −dmin·m0, d·sc1, −dmin·m1 (f32)]`.
+pub struct Q4KPairs;
+
+impl Block for Q4KPairs {
+    const N: usize = 64;
+    const BYTES: usize = 48;
+    fn dequant(b: &[u8], out: &mut [f32]) {
+        let f = |i: usize| f32::from_le_bytes(b[32 + 4 * i..36 + 4 * i].try_into().unwrap());
+        for j in 0..32 {
+            out[j] = (b[j] & 15) as f32 * f(0) + f(1);
+            out[32 + j] = (b[j] >> 4) as f32 * f(2) + f(3);
+        }
+    }
+}
+
+impl Vnni for Q4KPairs {
+    const LAYOUT: Layout = Layout::Natural;
+    const OFFSET: i32 = 0;
+    const MIN: bool = true;
+    #[inline(always)]
+    unsafe fn load_pair(b: *const u8, _p: usize, _two: bool) -> (__m512i, __m512, __m128) {
+        let qs = _mm256_loadu_si256(b as *const __m256i);
+        let q = _mm512_inserti64x4(_mm512_castsi256_si512(qs), _mm256_srli_epi16(qs, 4), 1);
+        let q = _mm512_and_si512(q, _mm512_set1_epi8(0x0f));
+        let dm = _mm_loadu_ps(b.add(32) as *const f32);
+        let index = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+        (q, spread(index, dm), dm)
+    }
+}
+
+impl Repacked for Q4KPairs {
+    type Source = formats::Q4K;
+    unsafe fn pack_pair(row: *const u8, p: usize, out: &mut [u8]) {
+        let (_, _, dm) = source_pair::<Self::Source>(row, p);
+        std::ptr::copy_nonoverlapping(row.add(p / 4 * 144 + 16 + 32 * (p % 4)), out.as_mut_ptr(), 32);
+        _mm_storeu_ps(out.as_mut_ptr().add(32) as *mut f32, dm);
+    }
+}
+
+/// Q6_K pairs: `[64 values q ∈ 0..64 as bytes, the four 16-value scales d·sc (f32)]`.
+pub struct Q6KPairs;
+
+impl Block for Q6KPairs {
+    const N: usize = 64;
+    const BYTES: usize = 80;
+    fn dequant(b: &[u8], out: &mut [f32]) {
+        for (j, o) in out[..64].iter_mut().enumerate() {
+            let s = f32::from_le_bytes(b[64 + 4 * (j / 16)..68 + 4 * (j / 16)].try_into().unwrap());
+            *o = (b[j] as i32 - 32) as f32 * s;
+        }
+    }
+}
+
+impl Vnni for Q6KPairs {
+    const LAYOUT: Layout = Layout::Natural;
+    const OFFSET: i32 = 32;
+    const MIN: bool = false;
+    #[inline(always)]
+    unsafe fn load_pair(b: *const u8, _p: usize, _two: bool) -> (__m512i, __m512, __m128) {
+        let q = _mm512_loadu_si512(b as *const _);
+        let index = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        (q, spread(index, _mm_loadu_ps(b.add(64) as *const f32)), _mm_setzero_ps())
+    }
+}
+
+impl Repacked for Q6KPairs {
+    type Source = formats::Q6K;
+    unsafe fn pack_pair(row: *const u8, p: usize, out: &mut [u8]) {
+        let (q, scales, _) = source_pair::<Self::Source>(row, p);
+        _mm512_storeu_si512(out.as_mut_ptr() as *mut _, q);
+        // Lanes 0, 4, 8, 12 hold the four chunks' scales.
+        let four = _mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), scales);
+        _mm_storeu_ps(out.as_mut_ptr().add(64) as *mut f32, _mm512_castps512_ps128(four));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::vnni::{self, available, QPair};
+    use super::super::vnni_gemm;
+    use super::*;
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// Repacked rows dequantize to the source's values, and `vnni::gemv` and `vnni_gemm::gemm`
+    /// on them equal the same kernels on the file's layout bit for bit.
+    fn check<R: Repacked>(rows: usize, cols: usize) {
+        if !available() {
+            eprintln!("SKIP: no AVX-512 VNNI");
+            return;
+        }
+        type S<R> = <R as Repacked>::Source;
+        let mut rnd = vnni::tests::uniform(0x9e3779b97f4a7c15);
+        let wf: Vec<f32> = (0..rows * cols).map(|_| rnd()).collect();
+        let w = vnni::tests::quantize_rows::<S<R>>(&wf, rows, cols);
+        let released = std::cell::Cell::new(0);
+        // SAFETY: VNNI was detected above.
+        let packed = unsafe { pack::<R>(&w, rows, cols, &|r| released.set(released.get().max(r.end))) };
+        assert_eq!(released.get(), w.len(), "every source byte is released");
+        let dequant = |bytes: &[u8], n: usize, size: usize, f: fn(&[u8], &mut [f32])| {
+            let mut out = vec![0f32; rows * cols];
+            for (b, o) in bytes.chunks_exact(size).zip(out.chunks_exact_mut(n)) {
+                f(b, o);
+            }
+            out
+        };
+        let want = dequant(&w, S::<R>::N, S::<R>::BYTES, S::<R>::dequant);
+        assert_eq!(bits(&dequant(&packed, 64, R::BYTES, R::dequant)), bits(&want));
+
+        let t = 21;
+        let x: Vec<f32> = (0..t * cols).map(|_| rnd() * 2.0).collect();
+        let pairs = cols / 64;
+        let mut xq = vec![QPair::ZERO; vnni_gemm::pairs_len(t, pairs)];
+        let (mut a, mut b) = (vec![0f32; t * rows], vec![0f32; t * rows]);
+        let (mut one, mut ga, mut gb) = (Vec::new(), vec![0f32; rows], vec![0f32; rows]);
+        // SAFETY: VNNI was detected; sizes match.
+        unsafe {
+            for (tok, xr) in x.chunks_exact(cols).enumerate() {
+                vnni::quantize_strided::<R>(xr, xq.as_mut_ptr().add(vnni_gemm::pair_index(tok, 0, pairs)), vnni_gemm::TOKENS);
+            }
+            vnni_gemm::gemm::<S<R>>(&w, cols, &xq, t, 0..rows, a.as_mut_ptr(), rows);
+            vnni_gemm::gemm::<R>(&packed, cols, &xq, t, 0..rows, b.as_mut_ptr(), rows);
+            vnni::quantize::<R>(&x[..cols], &mut one);
+            vnni::gemv::<S<R>>(&w, cols, &one, 0..rows, &mut |r, v| ga[r] = v);
+            vnni::gemv::<R>(&packed, cols, &one, 0..rows, &mut |r, v| gb[r] = v);
+        }
+        assert_eq!(bits(&a), bits(&b), "gemm");
+        assert_eq!(bits(&ga), bits(&gb), "gemv");
+    }
+
+    #[test]
+    fn repacked_equals_source() {
+        check::<Q5_0Pairs>(13, 640);
+        check::<Q5_0Pairs>(4, 64);
+        check::<Q4KPairs>(13, 512);
+        check::<Q6KPairs>(11, 768);
+    }
+}

@@ -36,9 +36,11 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, pos: Positions, p: &AttentionP
     }
     if matches!(q.device(), Device::Cpu) && q.dtype() == DType::F32 {
         let kv_is = |dt: DType| k.dtype() == dt && v.dtype() == dt;
-        // An f16 cache (the CPU default) is read by the decode kernel directly; the other
-        // kernels take f32.
-        if kv_is(DType::F16) && !(q.dims()[0] == 1 && decode_kernel(q.dims()[2])) {
+        // An f16 cache (the CPU default) is read by the decode and the tiled kernel directly;
+        // the per-row kernel (2 or 3 new tokens, e.g. a speculative check) takes f32.
+        let t = q.dims()[0];
+        let reads_f16 = (t == 1 && decode_kernel(q.dims()[2])) || t >= TILED_MIN_TOKENS;
+        if kv_is(DType::F16) && !reads_f16 {
             return attend(q, &k.to_dtype(DType::F32)?, &v.to_dtype(DType::F32)?, pos, p);
         }
         if kv_is(DType::F32) || kv_is(DType::F16) {
@@ -103,34 +105,6 @@ struct AttendCpu {
     params: AttentionParams,
 }
 
-/// A `[H, S, D]` tensor view with a contiguous last dimension and arbitrary head/token strides
-/// (the KV cache hands out a narrowed view of its buffer).
-struct KvView<'a> {
-    data: &'a [f32],
-    head_stride: usize,
-    token_stride: usize,
-}
-
-impl<'a> KvView<'a> {
-    fn new(storage: &'a CpuStorage, layout: &Layout) -> candle_core::Result<Self> {
-        let CpuStorage::F32(data) = storage else { candle_core::bail!("attention: expected f32 kv") };
-        let stride = layout.stride();
-        if stride[2] != 1 {
-            candle_core::bail!("attention: kv head_dim must be contiguous")
-        }
-        Ok(Self { data: &data[layout.start_offset()..], head_stride: stride[0], token_stride: stride[1] })
-    }
-
-    fn kv(&self) -> Kv<'a> {
-        Kv { data: self.data, head_stride: self.head_stride, token_stride: self.token_stride }
-    }
-
-    fn row(&self, head: usize, token: usize, d: usize) -> &[f32] {
-        let o = head * self.head_stride + token * self.token_stride;
-        &self.data[o..o + d]
-    }
-}
-
 impl CustomOp3 for AttendCpu {
     fn name(&self) -> &'static str {
         "attend"
@@ -158,11 +132,11 @@ impl CustomOp3 for AttendCpu {
                 let (scale, softcap) = (self.params.scale, self.params.softcap);
                 match (ks, vs) {
                     (CpuStorage::F32(kd), CpuStorage::F32(vd)) => {
-                        let (k, v) = (rows(kd, kl)?, rows(vd, vl)?);
+                        let (k, v) = (kv_view(kd, kl)?, kv_view(vd, vl)?);
                         attend(&DecodeCall { q, k, v, hq, hkv, d, lo, hi, scale, softcap }, &mut out)
                     }
                     (CpuStorage::F16(kd), CpuStorage::F16(vd)) => {
-                        let (k, v) = (rows(kd, kl)?, rows(vd, vl)?);
+                        let (k, v) = (kv_view(kd, kl)?, kv_view(vd, vl)?);
                         attend(&DecodeCall { q, k, v, hq, hkv, d, lo, hi, scale, softcap }, &mut out)
                     }
                     _ => candle_core::bail!("attention: k and v differ in dtype"),
@@ -172,14 +146,11 @@ impl CustomOp3 for AttendCpu {
             let _ = (lo, hi);
             return Ok((CpuStorage::F32(out), Shape::from((t, hq * d))));
         }
-        let job = Job { q, k: KvView::new(ks, kl)?, v: KvView::new(vs, vl)?, hq, group: hq / hkv, s, d, op: self };
         if t >= TILED_MIN_TOKENS {
             let (pos, window) = (self.pos, self.params.window);
             let visible = move |i: usize| visible_keys(pos.query_start + i, s, pos, window);
             let call = Call {
                 q,
-                k: job.k.kv(),
-                v: job.v.kv(),
                 t,
                 hq,
                 hkv,
@@ -189,9 +160,15 @@ impl CustomOp3 for AttendCpu {
                 softcap: self.params.softcap,
                 visible: &visible,
             };
-            attn::attend(level(), &call, &mut out);
+            match (ks, vs) {
+                (CpuStorage::F32(kd), CpuStorage::F32(vd)) => attn::attend(level(), &call, kv_view(kd, kl)?, kv_view(vd, vl)?, &mut out),
+                (CpuStorage::F16(kd), CpuStorage::F16(vd)) => attn::attend(level(), &call, kv_view(kd, kl)?, kv_view(vd, vl)?, &mut out),
+                _ => candle_core::bail!("attention: k and v differ in dtype"),
+            }
             return Ok((CpuStorage::F32(out), Shape::from((t, hq * d))));
         }
+        let (CpuStorage::F32(kd), CpuStorage::F32(vd)) = (ks, vs) else { candle_core::bail!("attention: expected f32 kv") };
+        let job = Job { q, k: kv_view(kd, kl)?, v: kv_view(vd, vl)?, hq, group: hq / hkv, s, d, op: self };
         let shared = SharedOut::new(&mut out);
         let worth = t * hq * s * d > 1 << 14;
         parallel_ranges(t * hq, 1, worth, |rows| {
@@ -217,13 +194,12 @@ fn decode_kernel(d: usize) -> bool {
 }
 
 /// A `[H, S, D]` view of cache storage with a contiguous last dimension.
-#[cfg(target_arch = "x86_64")]
-fn rows<'a, E>(data: &'a [E], layout: &Layout) -> candle_core::Result<crate::cpu::decode_attn::Rows<'a, E>> {
+fn kv_view<'a, E>(data: &'a [E], layout: &Layout) -> candle_core::Result<Kv<'a, E>> {
     let stride = layout.stride();
     if stride[2] != 1 {
         candle_core::bail!("attention: kv head_dim must be contiguous")
     }
-    Ok(crate::cpu::decode_attn::Rows { data: &data[layout.start_offset()..], head_stride: stride[0], token_stride: stride[1] })
+    Ok(Kv { data: &data[layout.start_offset()..], head_stride: stride[0], token_stride: stride[1] })
 }
 
 /// From this many new tokens on, the tiled kernel (`cpu::attn`) runs; below, one query row at
@@ -237,8 +213,8 @@ thread_local! {
 /// Everything one attention call's rows need.
 struct Job<'a> {
     q: &'a [f32],
-    k: KvView<'a>,
-    v: KvView<'a>,
+    k: Kv<'a>,
+    v: Kv<'a>,
     hq: usize,
     group: usize,
     s: usize,
@@ -340,6 +316,13 @@ mod tests {
         let generic = attend_generic(&q, &k, &v, pos, &p).unwrap();
         let diff = (fused - generic).unwrap().abs().unwrap().max_all().unwrap();
         assert!(diff.to_scalar::<f32>().unwrap() < 1e-5);
+        // An f16 cache (the CPU default): every kernel reads it as its exact f32 values.
+        let (k16, v16) = (k.to_dtype(DType::F16).unwrap(), v.to_dtype(DType::F16).unwrap());
+        let fused = attend(&q, &k16, &v16, pos, &p).unwrap();
+        let widened = |x: &Tensor| x.to_dtype(DType::F32).unwrap();
+        let generic = attend_generic(&q, &widened(&k16), &widened(&v16), pos, &p).unwrap();
+        let diff = (fused - generic).unwrap().abs().unwrap().max_all().unwrap();
+        assert!(diff.to_scalar::<f32>().unwrap() < 1e-5, "f16 cache");
     }
 
     #[test]

@@ -1,8 +1,8 @@
 //! Prefill attention as small GEMMs on the `micro` kernels: for a tile of MR query tokens of one
 //! head, scores = Q·Kᵀ against 32-key panels of Kᵀ (packed once per call), a row softmax, then
 //! P·V against packed V column panels. Each key and value is loaded once per tile instead of
-//! once per query, and no horizontal reductions are needed. Decode (one query per head) keeps
-//! the per-row kernel in `attention.rs`.
+//! once per query, and no horizontal reductions are needed. Decode (one query per head) runs on
+//! `decode_attn`. Cached rows may be f16 (the CPU cache's default): packing widens them.
 //!
 //! Per output value the arithmetic is the per-row kernel's: q·k as one FMA chain over d, scaled
 //! (and soft-capped) afterwards, `math::exp`, the weighted sum of values as one FMA chain over
@@ -14,27 +14,47 @@ use super::simd::{multiversion_plain, Level, MulAdd};
 use super::threads::{parallel_ranges, SharedOut};
 use std::cell::RefCell;
 
-/// A `[H, S, D]` view with a contiguous last dimension.
+/// A `[H, S, D]` view of cached keys or values (f32, or the CPU cache's f16) with a contiguous
+/// last dimension and any head and token strides (the KV cache hands out a narrowed view of its
+/// buffer). Every CPU attention kernel reads the cache through it.
 #[derive(Clone, Copy)]
-pub struct Kv<'a> {
-    pub data: &'a [f32],
+pub struct Kv<'a, E = f32> {
+    pub data: &'a [E],
     pub head_stride: usize,
     pub token_stride: usize,
 }
 
-impl Kv<'_> {
+impl<E> Kv<'_, E> {
     #[inline(always)]
-    pub(crate) fn row(&self, head: usize, token: usize, d: usize) -> &[f32] {
+    pub(crate) fn row(&self, head: usize, token: usize, d: usize) -> &[E] {
         let o = head * self.head_stride + token * self.token_stride;
         &self.data[o..o + d]
     }
 }
 
-/// One attention call: q `[t, hq, d]`, k and v `[hkv, s, d]`, output `[t, hq·d]`.
+/// A cached element type, widened exactly to f32.
+pub trait Widen: Copy + Sync {
+    fn widen(self) -> f32;
+}
+
+impl Widen for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+impl Widen for half::f16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// One attention call: q `[t, hq, d]` over keys and values `[hkv, s, d]` (passed beside it),
+/// output `[t, hq·d]`.
 pub struct Call<'a> {
     pub q: &'a [f32],
-    pub k: Kv<'a>,
-    pub v: Kv<'a>,
     pub t: usize,
     pub hq: usize,
     pub hkv: usize,
@@ -46,15 +66,16 @@ pub struct Call<'a> {
     pub visible: &'a (dyn Fn(usize) -> (usize, usize) + Sync),
 }
 
-/// Runs `c` into `out` (`t·hq·d` values).
-pub fn attend(level: Level, c: &Call, out: &mut [f32]) {
+/// Runs `c` over keys `k` and values `v` into `out` (`t·hq·d` values).
+pub fn attend<E: Widen>(level: Level, c: &Call, k: Kv<E>, v: Kv<E>, out: &mut [f32]) {
     assert_eq!(out.len(), c.t * c.hq * c.d);
+    let packed = |nr| pack(c, k, v, nr);
     match level {
         #[cfg(target_arch = "x86_64")]
-        Level::Avx512 => run::<micro::Avx512>(level, c, out),
+        Level::Avx512 => run::<micro::Avx512>(level, c, packed(micro::Avx512::NR), out),
         #[cfg(target_arch = "x86_64")]
-        Level::Avx2 => run::<micro::Avx2>(level, c, out),
-        _ => run::<micro::Portable>(level, c, out),
+        Level::Avx2 => run::<micro::Avx2>(level, c, packed(micro::Avx2::NR), out),
+        _ => run::<micro::Portable>(level, c, packed(micro::Portable::NR), out),
     }
 }
 
@@ -67,8 +88,9 @@ struct Packed {
     chunks: usize,
 }
 
-fn pack<K: MicroKernel>(c: &Call) -> Packed {
-    let (nr, d, s) = (K::NR, c.d, c.s);
+/// Packs for a micro-kernel of `nr` columns, widening f16 rows on the way.
+fn pack<E: Widen>(c: &Call, k: Kv<E>, v: Kv<E>, nr: usize) -> Packed {
+    let (d, s) = (c.d, c.s);
     let panels = s.div_ceil(nr);
     let chunks = d.div_ceil(nr);
     let s_pad = panels * nr;
@@ -78,14 +100,16 @@ fn pack<K: MicroKernel>(c: &Call) -> Packed {
         for j in 0..s {
             let (p, jj) = (j / nr, j % nr);
             let base = (h * panels + p) * d * nr + jj;
-            for (dd, v) in c.k.row(h, j, d).iter().enumerate() {
-                kt[base + dd * nr] = *v;
+            for (dd, x) in k.row(h, j, d).iter().enumerate() {
+                kt[base + dd * nr] = x.widen();
             }
-            let vrow = c.v.row(h, j, d);
+            let vrow = v.row(h, j, d);
             for ch in 0..chunks {
                 let cols = (d - ch * nr).min(nr);
                 let at = ((h * chunks + ch) * s_pad + j) * nr;
-                vp[at..at + cols].copy_from_slice(&vrow[ch * nr..ch * nr + cols]);
+                for (o, x) in vp[at..at + cols].iter_mut().zip(&vrow[ch * nr..ch * nr + cols]) {
+                    *o = x.widen();
+                }
             }
         }
     }
@@ -106,8 +130,7 @@ thread_local! {
     static SCRATCH: RefCell<(Vec<f32>, Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
-fn run<K: MicroKernel>(level: Level, c: &Call, out: &mut [f32]) {
-    let packed = pack::<K>(c);
+fn run<K: MicroKernel>(level: Level, c: &Call, packed: Packed, out: &mut [f32]) {
     let tiles = c.t.div_ceil(K::MR);
     let job = Job { level, c, packed, tiles, out: SharedOut::new(out) };
     let items = tiles * c.hq;

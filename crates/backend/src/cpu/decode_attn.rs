@@ -13,6 +13,7 @@
 
 #![cfg(target_arch = "x86_64")]
 
+use super::attn::Kv;
 use super::math;
 use super::threads::{num_threads, parallel_ranges};
 use std::arch::x86_64::*;
@@ -48,27 +49,11 @@ impl Elem for half::f16 {
     }
 }
 
-/// A `[H, S, D]` cache view with a contiguous last dimension.
-#[derive(Clone, Copy)]
-pub struct Rows<'a, E> {
-    pub data: &'a [E],
-    pub head_stride: usize,
-    pub token_stride: usize,
-}
-
-impl<E> Rows<'_, E> {
-    #[inline(always)]
-    fn row(&self, head: usize, token: usize, d: usize) -> &[E] {
-        let o = head * self.head_stride + token * self.token_stride;
-        &self.data[o..o + d]
-    }
-}
-
 /// One decode step's attention: q `[hq, d]`, keys `[lo, hi)` of k and v `[hkv, s, d]`.
 pub struct DecodeCall<'a, E> {
     pub q: &'a [f32],
-    pub k: Rows<'a, E>,
-    pub v: Rows<'a, E>,
+    pub k: Kv<'a, E>,
+    pub v: Kv<'a, E>,
     pub hq: usize,
     pub hkv: usize,
     pub d: usize,
@@ -91,6 +76,8 @@ fn partial_len(d: usize) -> usize {
 thread_local! {
     /// Per-thread scores of an item, `[G][keys]`.
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The calling thread's item results, `[item][G][partial_len]`, reused across calls.
+    static PARTIALS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Writes the attention output `[hq·d]` of `c` into `out`. Callers check [`supports`] first.
@@ -102,8 +89,19 @@ pub fn attend<E: Elem>(c: &DecodeCall<E>, out: &mut [f32]) {
     let per_part = keys.div_ceil(parts);
     let group = c.hq / c.hkv;
     let stride = partial_len(c.d);
-    let mut partials = vec![0f32; c.hkv * parts * group * stride];
-    let shared = super::threads::SharedOut::new(&mut partials);
+    PARTIALS.with(|partials| {
+        let mut partials = partials.borrow_mut();
+        partials.resize(c.hkv * parts * group * stride, 0.0);
+        run_items(c, parts, per_part, &mut partials);
+        merge(c, parts, &partials, out);
+    })
+}
+
+/// Every (kv head, key range) item of `c` into `partials`.
+fn run_items<E: Elem>(c: &DecodeCall<E>, parts: usize, per_part: usize, partials: &mut [f32]) {
+    let keys = c.hi.saturating_sub(c.lo);
+    let (group, stride) = (c.hq / c.hkv, partial_len(c.d));
+    let shared = super::threads::SharedOut::new(partials);
     let worth = keys * c.hq * c.d > 1 << 14;
     parallel_ranges(c.hkv * parts, 1, worth, |items| {
         SCORES.with(|sc| {
@@ -127,7 +125,6 @@ pub fn attend<E: Elem>(c: &DecodeCall<E>, out: &mut [f32]) {
             }
         })
     });
-    merge(c, parts, &partials, out);
 }
 
 /// Combines the parts of every query head into `out`.

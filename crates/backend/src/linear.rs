@@ -39,6 +39,14 @@ impl Weight {
 
 /// One CPU kernel for weights stacked along the output, when they share format and width.
 fn cpu_stack(weights: &[&Weight]) -> Option<CpuMatmul> {
+    let (format, cols, parts) = cpu_parts(weights)?;
+    CpuMatmul::stacked(format, cols, parts)
+}
+
+/// The CPU kernels' inputs for `weights` stacked (format, input width, (bytes, rows) per
+/// weight), if they share a format and a width the kernels take. Checking this is cheap;
+/// building the `CpuMatmul` copies the weights.
+fn cpu_parts(weights: &[&Weight]) -> Option<(Format, usize, Vec<(Arc<dyn WeightBytes>, usize)>)> {
     let format = Format::from_ggml(weights[0].dtype)?;
     let (_, cols) = weights[0].rows_cols()?;
     let mut parts = Vec::new();
@@ -49,7 +57,7 @@ fn cpu_stack(weights: &[&Weight]) -> Option<CpuMatmul> {
         }
         parts.push((w.data.clone(), rows));
     }
-    CpuMatmul::stacked(format, cols, parts)
+    CpuMatmul::accepts(format, cols, &parts).then_some((format, cols, parts))
 }
 
 enum Kernel {
@@ -112,7 +120,7 @@ impl Linear {
     pub fn can_stack(weights: &[&Weight], device: &Device) -> bool {
         let same = weights.iter().all(|w| w.dtype == weights[0].dtype && w.dims.get(1) == weights[0].dims.get(1));
         same && match device {
-            Device::Cpu => cpu_stack(weights).is_some(),
+            Device::Cpu => cpu_parts(weights).is_some(),
             _ => is_dense(weights[0].dtype),
         }
     }

@@ -47,13 +47,24 @@ pub struct CpuMatmul {
 }
 
 struct Part {
+    /// The blocks as the model file has them (usually its memory map).
     data: std::sync::Arc<dyn WeightBytes>,
     /// First output row of this part in the stack.
     start: usize,
     rows: usize,
+    /// `data` copied into huge pages (`HugeBuf`), which the kernels read instead.
+    copy: Option<super::alloc::HugeBuf>,
     /// The rows repacked for the 8-bit kernels (`cpu::vnni_packed`), which read them instead
-    /// of `data`.
-    int8: Option<Vec<u8>>,
+    /// of `data` (there is no `copy` then).
+    #[cfg(target_arch = "x86_64")]
+    int8: Option<super::alloc::HugeBuf>,
+}
+
+impl Part {
+    /// The blocks in the file's layout, from the fastest place that has them.
+    fn blocks(&self) -> &[u8] {
+        self.copy.as_ref().map_or_else(|| self.data.bytes(), |c| c.bytes())
+    }
 }
 
 impl CpuMatmul {
@@ -62,19 +73,29 @@ impl CpuMatmul {
         Self::stacked(format, cols, vec![(data, rows)])
     }
 
-    /// Matrices `(bytes, rows)` stacked in order; None if a size does not match.
+    /// Whether `stacked` takes these matrices (their sizes match the format and width).
+    pub fn accepts(format: Format, cols: usize, parts: &[(std::sync::Arc<dyn WeightBytes>, usize)]) -> bool {
+        let row_bytes = cols / format.block() * format.block_bytes();
+        cols % format.block() == 0 && parts.iter().all(|(data, rows)| data.bytes().len() == rows * row_bytes)
+    }
+
+    /// Matrices `(bytes, rows)` stacked in order; None if a size does not match. The weights
+    /// are copied (or repacked) into huge pages here (see `copy_to_huge_pages`).
     pub fn stacked(format: Format, cols: usize, parts: Vec<(std::sync::Arc<dyn WeightBytes>, usize)>) -> Option<Self> {
-        if cols % format.block() != 0 {
+        if !Self::accepts(format, cols, &parts) {
             return None;
         }
-        let row_bytes = cols / format.block() * format.block_bytes();
         let mut start = 0;
         let mut out = Vec::new();
         for (data, rows) in parts {
-            if data.bytes().len() != rows * row_bytes {
-                return None;
-            }
-            out.push(Part { data, start, rows, int8: None });
+            out.push(Part {
+                data,
+                start,
+                rows,
+                copy: None,
+                #[cfg(target_arch = "x86_64")]
+                int8: None,
+            });
             start += rows;
         }
         let mut m = Self {
@@ -87,7 +108,25 @@ impl CpuMatmul {
         };
         #[cfg(target_arch = "x86_64")]
         m.repack_for_int8();
+        m.copy_to_huge_pages();
         Some(m)
+    }
+
+    /// Copies the parts that were not repacked into huge pages (`HugeBuf`: the read bandwidth
+    /// of decode nearly doubles), releasing the file's pages as it goes. Where memory for the
+    /// copy is refused, the kernels keep reading the file.
+    fn copy_to_huge_pages(&mut self) {
+        if weights_in_place() {
+            return;
+        }
+        for part in &mut self.parts {
+            #[cfg(target_arch = "x86_64")]
+            if part.int8.is_some() {
+                continue;
+            }
+            let data = &part.data;
+            part.copy = super::alloc::HugeBuf::copy_of(data.bytes(), &|r| data.release_pages(r)).ok();
+        }
     }
 
     /// Repacks Q5_0, Q4_K and Q6_K rows for the 8-bit kernels where those will run
@@ -101,7 +140,7 @@ impl CpuMatmul {
             for part in parts {
                 let data = &part.data;
                 // SAFETY: VNNI was detected by the caller.
-                part.int8 = Some(unsafe { pack::<R>(data.bytes(), part.rows, cols, &|r| data.release_pages(r)) });
+                part.int8 = unsafe { pack::<R>(data.bytes(), part.rows, cols, &|r| data.release_pages(r)) }.ok();
             }
         }
         if !super::vnni::available() || super::exact_activations() || self.cols % 64 != 0 {
@@ -129,6 +168,9 @@ impl CpuMatmul {
     pub fn pack_for_decode(&mut self) -> bool {
         #[cfg(target_arch = "x86_64")]
         if self.format == Format::Q8_0 && self.parts.len() == 1 && super::vnni::available() && !super::exact_activations() {
+            // The huge-page copy goes first (the packed rows replace it for decode, and the f32
+            // kernels read the file), so that the peak holds one copy.
+            self.parts[0].copy = None;
             let data = &self.parts[0].data;
             let packed = super::q8_packed::Q8Rows::pack(data.bytes(), self.rows, self.cols, &|r| data.release_pages(r));
             self.packed = Some(packed);
@@ -217,7 +259,7 @@ impl Args<'_> {
             if lo < hi {
                 let pa = PartArgs {
                     level: self.level,
-                    w: if repacked { part.int8.as_deref().expect("repacked rows") } else { part.data.bytes() },
+                    w: part_bytes(part, repacked),
                     cols: self.m.cols,
                     x: self.x,
                     t: self.t,
@@ -229,6 +271,24 @@ impl Args<'_> {
             }
         }
     }
+}
+
+/// `FERROLM_MMAP_WEIGHTS=1`: the kernels read the model file's memory map in place instead of a
+/// copy in huge pages (less memory while the page cache also holds the file; slower decode).
+fn weights_in_place() -> bool {
+    static IN_PLACE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *IN_PLACE.get_or_init(|| std::env::var("FERROLM_MMAP_WEIGHTS").is_ok_and(|v| v == "1"))
+}
+
+/// The bytes a kernel reads for `part`: its repacked rows (8-bit kernels of repacked formats)
+/// or its blocks.
+fn part_bytes(part: &Part, repacked: bool) -> &[u8] {
+    #[cfg(target_arch = "x86_64")]
+    if repacked {
+        return part.int8.as_ref().expect("repacked rows").bytes();
+    }
+    let _ = repacked;
+    part.blocks()
 }
 
 /// A format with every kernel: portable, and on x86 the AVX-512 register dequantizer.

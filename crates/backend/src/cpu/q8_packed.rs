@@ -12,6 +12,7 @@
 
 #![cfg(target_arch = "x86_64")]
 
+use super::alloc::HugeBuf;
 use super::formats::{self, Block};
 use super::vnni::{self, QPair};
 use std::arch::x86_64::*;
@@ -19,16 +20,12 @@ use std::arch::x86_64::*;
 /// Rows per released range while packing.
 const RELEASE_ROWS: usize = 1024;
 
-/// One 64-byte line: a row's two blocks of a pair (+128, as u8).
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([u8; 64]);
-
-/// Q8_0 rows in groups of four: `lines[(group·pairs + p)·4 + i]` holds row 4·group + i, pair p;
+/// Q8_0 rows in groups of four: 64-byte line `(group·pairs + p)·4 + i` of `lines` holds row
+/// 4·group + i, pair p (its two blocks +128, as u8), in huge pages (`HugeBuf`);
 /// `scales[(group·pairs + p)·8 + 2i + j]` its block 2p + j's f16 scale. Missing rows and blocks
 /// are zero (quant 128, scale 0).
 pub struct Q8Rows {
-    lines: Vec<Line>,
+    lines: HugeBuf,
     scales: Vec<u16>,
     rows: usize,
     pairs: usize,
@@ -44,14 +41,17 @@ impl Q8Rows {
         let blocks = cols / Q::N;
         let pairs = blocks.div_ceil(2);
         let groups = rows.div_ceil(4);
-        let mut lines = vec![Line([128; 64]); groups * pairs * 4];
+        let mut lines = HugeBuf::zeroed(groups * pairs * 4 * 64).expect("memory for the packed head");
+        let bytes = lines.bytes_mut();
+        bytes.fill(128);
         let mut scales = vec![0u16; groups * pairs * 8];
         for r in 0..rows {
             let (g, i) = (r / 4, r % 4);
             for b in 0..blocks {
                 let blk = &w[(r * blocks + b) * Q::BYTES..(r * blocks + b + 1) * Q::BYTES];
                 let (p, j) = (b / 2, b % 2);
-                let line = &mut lines[(g * pairs + p) * 4 + i].0[32 * j..32 * j + 32];
+                let at = ((g * pairs + p) * 4 + i) * 64 + 32 * j;
+                let line = &mut bytes[at..at + 32];
                 for (dst, q) in line.iter_mut().zip(&blk[2..]) {
                     *dst = q ^ 0x80;
                 }
@@ -83,14 +83,15 @@ impl Q8Rows {
             let mut acc = [_mm512_setzero_ps(); 4];
             for (p, xp) in xq.iter().enumerate() {
                 let at = (g * self.pairs + p) * 4;
-                vnni::prefetch((self.lines.as_ptr() as *const u8).wrapping_add((at + 16) * 64));
+                let lines = self.lines.bytes().as_ptr();
+                vnni::prefetch(lines.wrapping_add((at + 16) * 64));
                 let xv = _mm512_load_si512(xp.q.as_ptr() as *const _);
                 let corr = _mm512_load_si512(xp.corr.as_ptr() as *const _);
                 let dx = _mm512_load_ps(xp.dx.as_ptr());
                 let s = _mm_loadu_si128(self.scales.as_ptr().add(2 * at) as *const __m128i);
                 let s = _mm512_castps256_ps512(_mm256_cvtph_ps(s));
                 for (i, a) in acc.iter_mut().enumerate() {
-                    let wq = _mm512_load_si512(self.lines.as_ptr().add(at + i) as *const _);
+                    let wq = _mm512_load_si512(lines.add((at + i) * 64) as *const _);
                     let isum = _mm512_dpbusd_epi32(corr, wq, xv);
                     let scale = _mm512_mul_ps(_mm512_permutexvar_ps(index[i], s), dx);
                     *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *a);

@@ -265,7 +265,7 @@ mod speed {
     }
 
     fn rate_packed<R: super::super::vnni_packed::Repacked>(name: &str, rows: usize, cols: usize) {
-        rate_with::<R::Source, R>(name, rows, cols, |w| unsafe { super::super::vnni_packed::pack::<R>(&w, rows, cols, &|_| {}) });
+        rate_with::<R::Source, R>(name, rows, cols, |w| unsafe { super::super::vnni_packed::pack::<R>(&w, rows, cols, &|_| {}) }.unwrap().bytes().to_vec());
     }
 
     fn rate_with<S: Vnni, V: Vnni>(name: &str, rows: usize, cols: usize, prep: impl Fn(Vec<u8>) -> Vec<u8>) {

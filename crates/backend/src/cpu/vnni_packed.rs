@@ -15,6 +15,7 @@
 
 #![cfg(target_arch = "x86_64")]
 
+use super::alloc::HugeBuf;
 use super::formats::{self, Block};
 use super::vnni::{Layout, Vnni};
 use std::arch::x86_64::*;
@@ -33,17 +34,18 @@ pub trait Repacked: Vnni {
     unsafe fn pack_pair(row: *const u8, p: usize, out: &mut [u8]);
 }
 
-/// `rows` source rows of `cols` values (`cols` a multiple of 64) → the repacked rows, calling
-/// `done(range)` on each finished byte range of `w` so that its pages can be dropped.
+/// `rows` source rows of `cols` values (`cols` a multiple of 64) → the repacked rows (in huge
+/// pages, see `HugeBuf`), calling `done(range)` on each finished byte range of `w` so that its
+/// pages can be dropped.
 ///
 /// # Safety
 /// `vnni::available()`.
-pub unsafe fn pack<R: Repacked>(w: &[u8], rows: usize, cols: usize, done: &dyn Fn(std::ops::Range<usize>)) -> Vec<u8> {
+pub unsafe fn pack<R: Repacked>(w: &[u8], rows: usize, cols: usize, done: &dyn Fn(std::ops::Range<usize>)) -> std::io::Result<HugeBuf> {
     let src_row = cols / R::Source::N * R::Source::BYTES;
     assert!(cols % 64 == 0 && w.len() == rows * src_row);
     let pairs = cols / 64;
-    let mut out = vec![0u8; rows * pairs * R::BYTES];
-    for (r, dst) in out.chunks_exact_mut(pairs * R::BYTES).enumerate() {
+    let mut out = HugeBuf::zeroed(rows * pairs * R::BYTES)?;
+    for (r, dst) in out.bytes_mut().chunks_exact_mut(pairs * R::BYTES).enumerate() {
         for (p, pair) in dst.chunks_exact_mut(R::BYTES).enumerate() {
             R::pack_pair(w.as_ptr().add(r * src_row), p, pair);
         }
@@ -51,7 +53,7 @@ pub unsafe fn pack<R: Repacked>(w: &[u8], rows: usize, cols: usize, done: &dyn F
             done((r - r % RELEASE_ROWS) * src_row..(r + 1) * src_row);
         }
     }
-    out
+    Ok(out)
 }
 
 /// The source's pair p of a row: for 32-value formats blocks 2p and 2p + 1, for 256-value
@@ -233,7 +235,8 @@ mod tests {
         let w = vnni::tests::quantize_rows::<S<R>>(&wf, rows, cols);
         let released = std::cell::Cell::new(0);
         // SAFETY: VNNI was detected above.
-        let packed = unsafe { pack::<R>(&w, rows, cols, &|r| released.set(released.get().max(r.end))) };
+        let packed = unsafe { pack::<R>(&w, rows, cols, &|r| released.set(released.get().max(r.end))) }.unwrap();
+        let packed = packed.bytes();
         assert_eq!(released.get(), w.len(), "every source byte is released");
         let dequant = |bytes: &[u8], n: usize, size: usize, f: fn(&[u8], &mut [f32])| {
             let mut out = vec![0f32; rows * cols];
@@ -243,7 +246,7 @@ mod tests {
             out
         };
         let want = dequant(&w, S::<R>::N, S::<R>::BYTES, S::<R>::dequant);
-        assert_eq!(bits(&dequant(&packed, 64, R::BYTES, R::dequant)), bits(&want));
+        assert_eq!(bits(&dequant(packed, 64, R::BYTES, R::dequant)), bits(&want));
 
         let t = 21;
         let x: Vec<f32> = (0..t * cols).map(|_| rnd() * 2.0).collect();
@@ -257,10 +260,10 @@ mod tests {
                 vnni::quantize_strided::<R>(xr, xq.as_mut_ptr().add(vnni_gemm::pair_index(tok, 0, pairs)), vnni_gemm::TOKENS);
             }
             vnni_gemm::gemm::<S<R>>(&w, cols, &xq, t, 0..rows, a.as_mut_ptr(), rows);
-            vnni_gemm::gemm::<R>(&packed, cols, &xq, t, 0..rows, b.as_mut_ptr(), rows);
+            vnni_gemm::gemm::<R>(packed, cols, &xq, t, 0..rows, b.as_mut_ptr(), rows);
             vnni::quantize::<R>(&x[..cols], &mut one);
             vnni::gemv::<S<R>>(&w, cols, &one, 0..rows, &mut |r, v| ga[r] = v);
-            vnni::gemv::<R>(&packed, cols, &one, 0..rows, &mut |r, v| gb[r] = v);
+            vnni::gemv::<R>(packed, cols, &one, 0..rows, &mut |r, v| gb[r] = v);
         }
         assert_eq!(bits(&a), bits(&b), "gemm");
         assert_eq!(bits(&ga), bits(&gb), "gemv");

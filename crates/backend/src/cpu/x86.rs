@@ -203,3 +203,36 @@ pub unsafe fn dequant_row<B: Dq16>(row: &[u8], out: &mut [f32]) {
         }
     }
 }
+
+#[cfg(test)]
+mod speed {
+    use super::super::alloc::HugeBuf;
+    use super::super::formats;
+
+    /// Read rate of the F16 matrix-vector product on one thread over 128 MB of weights, in huge
+    /// pages and in ordinary ones (`cargo test --release -p ferrolm-backend -- --ignored
+    /// gemv_f16_rate --nocapture`; compare `bench/membw.c`).
+    #[test]
+    #[ignore]
+    fn gemv_f16_rate() {
+        if !is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let (rows, cols) = (65536, 1024);
+        let bytes = rows * cols * 2;
+        let plain: Vec<u8> = (0..bytes).map(|i| (i % 251) as u8 & 0x3b).collect();
+        let huge = HugeBuf::copy_of(&plain, &|_| {}).unwrap();
+        let x = vec![0.5f32; cols];
+        for (name, w) in [("4k pages", &plain[..]), ("huge pages", huge.bytes())] {
+            let mut best = f64::MAX;
+            let mut sink = 0f32;
+            for _ in 0..8 {
+                let t = std::time::Instant::now();
+                // SAFETY: AVX-512 was detected; `w` holds `rows` rows of `cols` f16 values.
+                unsafe { super::gemv::<formats::F16>(w, cols, &x, 0..rows, &mut |_, v| sink += v) };
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            eprintln!("F16 gemv, {name}: {:.1} GB/s ({sink})", bytes as f64 / best / 1e9);
+        }
+    }
+}

@@ -114,7 +114,7 @@ unsafe fn unpack_nibbles(q0: *const u8, q1: *const u8, two: bool) -> __m512i {
 
 /// 32 bytes → `[their low nibbles, their high nibbles]`.
 #[inline(always)]
-unsafe fn split_nibbles(q: __m256i) -> __m512i {
+pub(super) unsafe fn split_nibbles(q: __m256i) -> __m512i {
     let mask = _mm256_set1_epi8(0x0f);
     let low_nibbles = _mm256_and_si256(q, mask);
     let high_nibbles = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
@@ -123,7 +123,7 @@ unsafe fn split_nibbles(q: __m256i) -> __m512i {
 
 /// Spreads `[d0, _, d1, _]` over the lanes of each block in `layout`.
 #[inline(always)]
-unsafe fn per_lane(layout: Layout, dm: __m128) -> __m512 {
+pub(super) unsafe fn per_lane(layout: Layout, dm: __m128) -> __m512 {
     _mm512_permutexvar_ps(scale_index(layout), _mm512_castps128_ps512(dm))
 }
 

@@ -191,10 +191,22 @@ unsafe fn min_terms<V: Vnni>(dm: [__m128; 4]) -> __m512 {
     }
 }
 
+/// The `t` token rows of `x` quantized for `V` in `gemm`'s layout (tests and measurements).
+#[cfg(test)]
+pub(super) fn quantize_tokens<V: Vnni>(x: &[f32], t: usize, cols: usize) -> Vec<QPair> {
+    let pairs = cols.div_ceil(64);
+    let mut xq = vec![QPair::ZERO; pairs_len(t, pairs)];
+    for (tok, xr) in x.chunks_exact(cols).take(t).enumerate() {
+        // SAFETY: callers check `vnni::available()`; the token's pairs lie inside `xq`.
+        unsafe { super::vnni::quantize_strided::<V>(xr, xq.as_mut_ptr().add(pair_index(tok, 0, pairs)), TOKENS) };
+    }
+    xq
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::formats;
-    use super::super::vnni::{available, gemv, quantize, quantize_strided, QPair};
+    use super::super::vnni::{available, gemv, quantize};
     use super::*;
 
     /// Every (token, row) equals `gemv` of that token up to f32 summation order (the integer
@@ -214,14 +226,10 @@ mod tests {
         for (blk, o) in w.chunks_exact(V::BYTES).zip(wd.chunks_exact_mut(V::N)) {
             V::dequant(blk, o);
         }
-        let pairs = cols.div_ceil(64);
-        let mut xq = vec![QPair::ZERO; pairs_len(t, pairs)];
+        let xq = quantize_tokens::<V>(&x, t, cols);
         let mut got = vec![0f32; t * rows];
         // SAFETY: VNNI was detected above; sizes match.
         unsafe {
-            for (tok, xr) in x.chunks_exact(cols).enumerate() {
-                quantize_strided::<V>(xr, xq.as_mut_ptr().add(pair_index(tok, 0, pairs)), TOKENS);
-            }
             gemm::<V>(&w, cols, &xq, t, 0..rows, got.as_mut_ptr(), rows);
         }
         for tok in 0..t {
@@ -257,7 +265,7 @@ mod tests {
 #[cfg(test)]
 mod speed {
     use super::super::formats;
-    use super::super::vnni::{available, quantize_strided, QPair};
+    use super::super::vnni::available;
     use super::*;
 
     fn rate<V: Vnni>(name: &str, rows: usize, cols: usize) {
@@ -274,13 +282,10 @@ mod speed {
         let wf: Vec<f32> = (0..rows * cols).map(|_| rnd()).collect();
         let x: Vec<f32> = (0..t * cols).map(|_| rnd()).collect();
         let w = prep(super::super::vnni::tests::quantize_rows::<S>(&wf, rows, cols));
-        let pairs = cols.div_ceil(64);
-        let mut xq = vec![QPair::ZERO; pairs_len(t, pairs)];
+        let xq = quantize_tokens::<V>(&x, t, cols);
         let mut y = vec![0f32; t * rows];
+        // SAFETY: callers checked VNNI; sizes match.
         unsafe {
-            for (tok, xr) in x.chunks_exact(cols).enumerate() {
-                quantize_strided::<V>(xr, xq.as_mut_ptr().add(pair_index(tok, 0, pairs)), TOKENS);
-            }
             let mut best = f64::MAX;
             for _ in 0..20 {
                 let s = std::time::Instant::now();

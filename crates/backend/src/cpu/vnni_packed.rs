@@ -17,7 +17,7 @@
 
 use super::alloc::HugeBuf;
 use super::formats::{self, Block};
-use super::vnni::{Layout, Vnni};
+use super::vnni::{per_lane, split_nibbles, Layout, Vnni};
 use std::arch::x86_64::*;
 
 /// Rows per released range of the source while packing (the peak holds about one copy).
@@ -72,12 +72,6 @@ unsafe fn u16_at(b: *const u8) -> u16 {
     (b as *const u16).read_unaligned()
 }
 
-/// Lane i → lane `index[i]` of `v`'s first four (spreading `[s0, s1, s2, s3]` over the lanes).
-#[inline(always)]
-unsafe fn spread(index: __m512i, v: __m128) -> __m512 {
-    _mm512_permutexvar_ps(index, _mm512_castps128_ps512(v))
-}
-
 /// Q5_0 pairs: `[b0 qs (16), b1 qs (16), fifth-bit mask in the Nibbles byte order (u64),
 /// d0, d1 (f16)]`.
 pub struct Q5_0Pairs;
@@ -107,17 +101,13 @@ impl Vnni for Q5_0Pairs {
     const MIN: bool = false;
     #[inline(always)]
     unsafe fn load_pair(b: *const u8, _p: usize, _two: bool) -> (__m512i, __m512, __m128) {
-        let mask = 0x0f0f_0f0f_0f0f_0f0f_u64 as i64;
-        let qs = _mm256_loadu_si256(b as *const __m256i);
-        let q = _mm512_inserti64x4(_mm512_castsi256_si512(qs), _mm256_srli_epi16(qs, 4), 1);
-        let q = _mm512_and_si512(q, _mm512_set1_epi64(mask));
+        let q = split_nibbles(_mm256_loadu_si256(b as *const __m256i));
         let fifth = (b.add(32) as *const u64).read_unaligned();
         let q = _mm512_mask_add_epi8(q, fifth, q, _mm512_set1_epi8(16));
         let d = (b.add(40) as *const u32).read_unaligned();
         // [d0, 0, d1, 0]: the `[d, m]` pairs of `vnni`'s Nibbles scale order.
         let dm = _mm_cvtph_ps(_mm_cvtepu16_epi32(_mm_cvtsi32_si128(d as i32)));
-        let index = _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0);
-        (q, spread(index, dm), dm)
+        (q, per_lane(Self::LAYOUT, dm), dm)
     }
 }
 
@@ -157,12 +147,9 @@ impl Vnni for Q4KPairs {
     const MIN: bool = true;
     #[inline(always)]
     unsafe fn load_pair(b: *const u8, _p: usize, _two: bool) -> (__m512i, __m512, __m128) {
-        let qs = _mm256_loadu_si256(b as *const __m256i);
-        let q = _mm512_inserti64x4(_mm512_castsi256_si512(qs), _mm256_srli_epi16(qs, 4), 1);
-        let q = _mm512_and_si512(q, _mm512_set1_epi8(0x0f));
+        let q = split_nibbles(_mm256_loadu_si256(b as *const __m256i));
         let dm = _mm_loadu_ps(b.add(32) as *const f32);
-        let index = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-        (q, spread(index, dm), dm)
+        (q, per_lane(Self::LAYOUT, dm), dm)
     }
 }
 
@@ -196,8 +183,10 @@ impl Vnni for Q6KPairs {
     #[inline(always)]
     unsafe fn load_pair(b: *const u8, _p: usize, _two: bool) -> (__m512i, __m512, __m128) {
         let q = _mm512_loadu_si512(b as *const _);
+        // Scale k for the 16 values of chunk k.
         let index = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-        (q, spread(index, _mm_loadu_ps(b.add(64) as *const f32)), _mm_setzero_ps())
+        let scales = _mm512_castps128_ps512(_mm_loadu_ps(b.add(64) as *const f32));
+        (q, _mm512_permutexvar_ps(index, scales), _mm_setzero_ps())
     }
 }
 
@@ -214,7 +203,7 @@ impl Repacked for Q6KPairs {
 
 #[cfg(test)]
 mod tests {
-    use super::super::vnni::{self, available, QPair};
+    use super::super::vnni::{self, available};
     use super::super::vnni_gemm;
     use super::*;
 
@@ -250,15 +239,11 @@ mod tests {
 
         let t = 21;
         let x: Vec<f32> = (0..t * cols).map(|_| rnd() * 2.0).collect();
-        let pairs = cols / 64;
-        let mut xq = vec![QPair::ZERO; vnni_gemm::pairs_len(t, pairs)];
+        let xq = vnni_gemm::quantize_tokens::<R>(&x, t, cols);
         let (mut a, mut b) = (vec![0f32; t * rows], vec![0f32; t * rows]);
         let (mut one, mut ga, mut gb) = (Vec::new(), vec![0f32; rows], vec![0f32; rows]);
         // SAFETY: VNNI was detected; sizes match.
         unsafe {
-            for (tok, xr) in x.chunks_exact(cols).enumerate() {
-                vnni::quantize_strided::<R>(xr, xq.as_mut_ptr().add(vnni_gemm::pair_index(tok, 0, pairs)), vnni_gemm::TOKENS);
-            }
             vnni_gemm::gemm::<S<R>>(&w, cols, &xq, t, 0..rows, a.as_mut_ptr(), rows);
             vnni_gemm::gemm::<R>(packed, cols, &xq, t, 0..rows, b.as_mut_ptr(), rows);
             vnni::quantize::<R>(&x[..cols], &mut one);

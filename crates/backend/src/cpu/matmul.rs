@@ -320,7 +320,7 @@ fn run<B: KernelBlock + 'static>(a: &Args) {
             // the kernel's target features.
             SCRATCH.with(|s| {
                 let (row_buf, panel) = &mut *s.borrow_mut();
-                row_buf.resize(cols, 0.0);
+                row_buf.resize(16 * cols, 0.0);
                 panel.resize(cols * nr, 0.0);
                 a.for_parts(rows, |p, rows| gemm::<B>(p.level, p, &xp, rows, row_buf, panel))
             })
@@ -534,18 +534,22 @@ fn tile_height(level: Level) -> usize {
 fn pack_activations(x: &[f32], t: usize, k: usize, mr: usize) -> Vec<f32> {
     let tiles = t.div_ceil(mr);
     let mut xp = vec![0f32; tiles * k * mr];
-    for tok in 0..t {
-        let (tile, lane) = (tok / mr, tok % mr);
-        let dst = &mut xp[tile * k * mr..(tile + 1) * k * mr];
-        for (kk, v) in x[tok * k..(tok + 1) * k].iter().enumerate() {
-            dst[kk * mr + lane] = *v;
+    let out = SharedOut::new(&mut xp);
+    // Split over the threads by tiles: for a long prompt this is a few hundred µs per product.
+    parallel_ranges(tiles, 1, t * k >= 1 << 16, |tiles| {
+        for tok in tiles.start * mr..(tiles.end * mr).min(t) {
+            let (tile, lane) = (tok / mr, tok % mr);
+            for (kk, v) in x[tok * k..(tok + 1) * k].iter().enumerate() {
+                // SAFETY: each thread writes only its own tiles.
+                unsafe { out.write((tile * k + kk) * mr + lane, *v) };
+            }
         }
-    }
+    });
     xp
 }
 
 thread_local! {
-    /// Per-thread scratch: one dequantized row and one transposed panel.
+    /// Per-thread scratch: up to 16 dequantized rows and one transposed panel.
     static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
@@ -615,13 +619,31 @@ fn dequant_row<B: KernelBlock>(level: Level, row: &[u8], out: &mut [f32]) {
 #[inline(always)]
 fn pack_panel<B: KernelBlock>(a: &PartArgs, p: usize, width: usize, nr: usize, row_buf: &mut [f32], panel: &mut [f32]) {
     let row_bytes = a.cols / B::N * B::BYTES;
+    #[cfg(target_arch = "x86_64")]
+    if a.level == Level::Avx512 && a.cols % 16 == 0 && nr % 16 == 0 {
+        // Sixteen rows at a time, transposed in registers (missing rows as zeros).
+        for r0 in (0..nr).step_by(16) {
+            let rows = &mut row_buf[..16 * a.cols];
+            for (i, out) in rows.chunks_exact_mut(a.cols).enumerate() {
+                let r = p + r0 + i;
+                if r0 + i < width {
+                    dequant_row::<B>(a.level, &a.w[r * row_bytes..(r + 1) * row_bytes], out);
+                } else {
+                    out.fill(0.0);
+                }
+            }
+            // SAFETY: AVX-512 was detected; the panel holds cols·nr values and r0 + 16 ≤ nr.
+            unsafe { super::x86::transpose16(rows, a.cols, panel.as_mut_ptr().add(r0), nr) };
+        }
+        return;
+    }
     if width < nr {
         panel.fill(0.0);
     }
     for r in 0..width {
         let row = &a.w[(p + r) * row_bytes..(p + r + 1) * row_bytes];
-        dequant_row::<B>(a.level, row, row_buf);
-        for (k, v) in row_buf.iter().enumerate() {
+        dequant_row::<B>(a.level, row, &mut row_buf[..a.cols]);
+        for (k, v) in row_buf[..a.cols].iter().enumerate() {
             panel[k * nr + r] = *v;
         }
     }

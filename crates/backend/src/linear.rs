@@ -37,10 +37,14 @@ impl Weight {
     }
 }
 
-/// One CPU kernel for weights stacked along the output, when they share format and width.
-fn cpu_stack(weights: &[&Weight]) -> Option<CpuMatmul> {
+/// One CPU kernel for weights stacked along the output, when they share format and width; for
+/// an output `head` (one token per step), laid out for decode (`CpuMatmul::head`).
+fn cpu_stack(weights: &[&Weight], head: bool) -> Option<CpuMatmul> {
     let (format, cols, parts) = cpu_parts(weights)?;
-    CpuMatmul::stacked(format, cols, parts)
+    match head {
+        true => CpuMatmul::head(format, cols, parts),
+        false => CpuMatmul::stacked(format, cols, parts),
+    }
 }
 
 /// The CPU kernels' inputs for `weights` stacked (format, input width, (bytes, rows) per
@@ -85,12 +89,24 @@ impl Linear {
         Self::stacked(&[weight], &[bias], device)
     }
 
+    /// An output head: it sees one token per step (logits are computed for the last position
+    /// only), so on the CPU its weights are laid out for decode (see `CpuMatmul::head`).
+    pub fn head(weight: &Weight, device: &Device) -> candle_core::Result<Self> {
+        Self::build(&[weight], &[None], device, true)
+    }
+
     /// Weights stacked along the output; `biases[i]` belongs to `weights[i]` (a missing bias of
     /// a stack where others have one counts as zeros).
     pub fn stacked(weights: &[&Weight], biases: &[Option<Tensor>], device: &Device) -> candle_core::Result<Self> {
+        Self::build(weights, biases, device, false)
+    }
+
+    fn build(weights: &[&Weight], biases: &[Option<Tensor>], device: &Device, head: bool) -> candle_core::Result<Self> {
         let out_features = weights.iter().map(|w| w.dims[0]).sum();
         let bytes = weights.iter().map(|w| w.bytes()).sum();
-        let kernel = match (device, cpu_stack(weights)) {
+        // Only on the CPU: building the CPU kernel copies the weights.
+        let cpu = matches!(device, Device::Cpu).then(|| cpu_stack(weights, head)).flatten();
+        let kernel = match (device, cpu) {
             (Device::Cpu, Some(mm)) => Kernel::Cpu(Arc::new(mm)),
             (Device::Cpu, None) => Kernel::Candle(
                 weights
@@ -122,16 +138,6 @@ impl Linear {
         same && match device {
             Device::Cpu => cpu_parts(weights).is_some(),
             _ => is_dense(weights[0].dtype),
-        }
-    }
-
-    /// Repacks CPU Q8_0 weights for one-token products (see `CpuMatmul::pack_for_decode`):
-    /// for output heads, which run on the last position only. Does nothing elsewhere.
-    pub fn pack_for_decode(&mut self) {
-        if let Kernel::Cpu(mm) = &mut self.kernel {
-            if let Some(mm) = Arc::get_mut(mm) {
-                mm.pack_for_decode();
-            }
         }
     }
 

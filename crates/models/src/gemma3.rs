@@ -197,11 +197,10 @@ impl Gemma3 {
             })
             .collect::<crate::Result<Vec<_>>>()?;
         let embed_w = src.weight("token_embd.weight")?;
-        let mut lm_head = match src.has("output.weight") {
-            true => Linear::new(&src.weight("output.weight")?, None, device)?,
-            false => Linear::new(&embed_w, None, device)?,
+        let lm_head = match src.has("output.weight") {
+            true => Linear::head(&src.weight("output.weight")?, device)?,
+            false => Linear::head(&embed_w, device)?,
         };
-        lm_head.pack_for_decode();
         let weight_bytes = layers
             .iter()
             .map(|l| l.attn.weight_bytes() + l.mlp.weight_bytes())

@@ -91,12 +91,10 @@ impl LlamaConfig {
 
 /// The output projection: `output.weight`, or the token embeddings when they are tied.
 pub(crate) fn output_head(src: &dyn WeightSource, embed_w: &ferrolm_backend::Weight, device: &Device) -> crate::Result<Linear> {
-    let mut head = match src.has("output.weight") {
-        true => Linear::new(&src.weight("output.weight")?, None, device)?,
-        false => Linear::new(embed_w, None, device)?,
-    };
-    head.pack_for_decode();
-    Ok(head)
+    Ok(match src.has("output.weight") {
+        true => Linear::head(&src.weight("output.weight")?, device)?,
+        false => Linear::head(embed_w, device)?,
+    })
 }
 
 struct Layer {

@@ -40,7 +40,7 @@ pub struct CpuMatmul {
     rows: usize,
     cols: usize,
     parts: Vec<Part>,
-    /// Q8_0 rows repacked for 8-bit decode (`pack_for_decode`), used instead of the file's
+    /// Q8_0 rows repacked for 8-bit decode (`head`), used instead of the file's
     /// blocks for one-token products.
     #[cfg(target_arch = "x86_64")]
     packed: Option<super::q8_packed::Q8Rows>,
@@ -82,6 +82,38 @@ impl CpuMatmul {
     /// Matrices `(bytes, rows)` stacked in order; None if a size does not match. The weights
     /// are copied (or repacked) into huge pages here (see `copy_to_huge_pages`).
     pub fn stacked(format: Format, cols: usize, parts: Vec<(std::sync::Arc<dyn WeightBytes>, usize)>) -> Option<Self> {
+        let mut m = Self::in_place(format, cols, parts)?;
+        m.place();
+        Some(m)
+    }
+
+    /// An output head (one token per step: logits are computed for the last position only).
+    /// Q8_0 with 8-bit activations is repacked for decode (`cpu::q8_packed`: half the
+    /// instructions per row, bit-identical results) straight from the file, whose pages are
+    /// released as packing goes (an embedding lookup of a tied head reads them again on demand);
+    /// the f32 kernels read the file. Other heads are placed as `stacked` places them.
+    pub fn head(format: Format, cols: usize, parts: Vec<(std::sync::Arc<dyn WeightBytes>, usize)>) -> Option<Self> {
+        let mut m = Self::in_place(format, cols, parts)?;
+        #[cfg(target_arch = "x86_64")]
+        if format == Format::Q8_0 && m.parts.len() == 1 && super::vnni::available() && !super::exact_activations() {
+            let data = &m.parts[0].data;
+            m.packed = Some(super::q8_packed::Q8Rows::pack(data.bytes(), m.rows, m.cols, &|r| data.release_pages(r)));
+            return Some(m);
+        }
+        m.place();
+        Some(m)
+    }
+
+    /// The kernels' weights where the kernels read them best: repacked for the 8-bit kernels
+    /// (x86), else copied into huge pages.
+    fn place(&mut self) {
+        #[cfg(target_arch = "x86_64")]
+        self.repack_for_int8();
+        self.copy_to_huge_pages();
+    }
+
+    /// The matrices as they are (read from `parts` in place).
+    fn in_place(format: Format, cols: usize, parts: Vec<(std::sync::Arc<dyn WeightBytes>, usize)>) -> Option<Self> {
         if !Self::accepts(format, cols, &parts) {
             return None;
         }
@@ -98,18 +130,14 @@ impl CpuMatmul {
             });
             start += rows;
         }
-        let mut m = Self {
+        Some(Self {
             format,
             rows: start,
             cols,
             parts: out,
             #[cfg(target_arch = "x86_64")]
             packed: None,
-        };
-        #[cfg(target_arch = "x86_64")]
-        m.repack_for_int8();
-        m.copy_to_huge_pages();
-        Some(m)
+        })
     }
 
     /// Copies the parts that were not repacked into huge pages (`HugeBuf`: the read bandwidth
@@ -158,25 +186,6 @@ impl CpuMatmul {
     #[cfg(target_arch = "x86_64")]
     fn repacked(&self) -> bool {
         self.parts.iter().all(|p| p.int8.is_some())
-    }
-
-    /// Repacks a single Q8_0 matrix for one-token products with 8-bit activations
-    /// (`cpu::q8_packed`: half the instructions per row, bit-identical results), then lets the
-    /// kernel drop the file's pages from memory (they are read again on demand, e.g. by an
-    /// embedding lookup of a tied head). Meant for output heads, which see one token per step;
-    /// other products keep reading the file's blocks. Returns whether it repacked.
-    pub fn pack_for_decode(&mut self) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        if self.format == Format::Q8_0 && self.parts.len() == 1 && super::vnni::available() && !super::exact_activations() {
-            // The huge-page copy goes first (the packed rows replace it for decode, and the f32
-            // kernels read the file), so that the peak holds one copy.
-            self.parts[0].copy = None;
-            let data = &self.parts[0].data;
-            let packed = super::q8_packed::Q8Rows::pack(data.bytes(), self.rows, self.cols, &|r| data.release_pages(r));
-            self.packed = Some(packed);
-            return true;
-        }
-        false
     }
 
     pub fn rows(&self) -> usize {

@@ -1,8 +1,9 @@
 //! Prefill with 8-bit activations on AVX-512 VNNI: `vnni::gemv` for several tokens at once.
-//! Every activation row is quantized once per product (`vnni::quantize_into`), then tiles of
-//! 4 weight rows × 4 tokens are computed in registers: each weight pair is loaded and unpacked
-//! once per tile and multiplied by four tokens' activations with `vpdpbusd`, and the four
-//! rows' integer sums are combined before the f32 scaling (`tile`).
+//! Every activation row is quantized once per product (`vnni::quantize_strided`), then tiles of
+//! 4 weight rows × up to 16 tokens are computed in registers: each weight pair is loaded,
+//! unpacked and transposed once per tile (`transpose4`) and multiplied by every token's
+//! activations with four chained `vpdpbusd`, which leave each row's integer sum in its own
+//! lanes before the f32 scaling (`tile`).
 //!
 //! Per output the integer sums are `gemv`'s; only the order of the f32 additions differs
 //! (chunks of 16 values are summed in integers first), so prefill and decode agree to f32

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A short GPU check for when device time is scarce (~2 minutes): kernel self-checks, then batch-1
-# decode (graph, 3 runs) and prefill on the 1B and 8B shapes with graph = eager, and, when the
+# decode (graph, 3 runs) and prefill on the 1B and 8B shapes with graph = eager, the same with
+# the one-kernel decode layer (FERROLM_CUDA_LAYER=1), and, when the
 # carried binary was built with NCCL=1, the NCCL reducer at world 1 (scripts/gpu/nccl_check.sh).
 #   run(command="bash scripts/gpu/quick_check.sh", carry=["gpu-carry"])
 set -uo pipefail
@@ -17,5 +18,15 @@ for m in llama-3.2-1b llama-3.1-8b; do
   e=$(FERROLM_CUDA_GRAPH=0 "$W/bin/ferrolm" "${a[@]}" --runs 1)
   same=$([ "$(echo "$g" | field decoded_ids)" = "$(echo "$e" | field decoded_ids)" ] && echo yes || echo NO)
   echo "$m graph $(echo "$g" | field decode_tps) $(echo "$g" | field prefill_tps) eager $(echo "$e" | field decode_tps) graph=eager $same"
+done
+# The one-kernel decode layer (FERROLM_CUDA_LAYER=1, off by default): graph and eager decode the
+# same tokens as the separate kernels (it is bit-identical to them).
+for m in llama-3.2-1b llama-3.1-8b; do
+  a=(bench --model "$W/models/$m" --device cuda --prompt-tokens 2048 --decode-tokens 128 --json)
+  base=$("$W/bin/ferrolm" "${a[@]}" --runs 1 | field decoded_ids)
+  g=$(FERROLM_CUDA_LAYER=1 "$W/bin/ferrolm" "${a[@]}" --runs 3)
+  e=$(FERROLM_CUDA_LAYER=1 FERROLM_CUDA_GRAPH=0 "$W/bin/ferrolm" "${a[@]}" --runs 1)
+  same=$([ "$(echo "$g" | field decoded_ids)" = "$base" ] && [ "$(echo "$e" | field decoded_ids)" = "$base" ] && echo yes || echo NO)
+  echo "$m layer kernel: graph $(echo "$g" | field decode_tps) eager $(echo "$e" | field decode_tps) same tokens as separate kernels: $same"
 done
 if ldd "$W/bin/ferrolm" | grep -q libnccl; then bash scripts/gpu/nccl_check.sh llama-3.2-1b; fi

@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod attention_device;
+pub mod decode_layer;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -190,6 +190,15 @@ impl RowInput<'_> {
 }
 
 impl Linear {
+    /// The weights `[out, in]` when they are dense on a non-CPU device and there is no bias
+    /// (what single-kernel decode layers read directly).
+    pub fn dense_weight(&self) -> Option<&Tensor> {
+        match (&self.kernel, &self.bias) {
+            (Kernel::Dense(w), None) => Some(w),
+            _ => None,
+        }
+    }
+
     /// One decode row: the step that makes the input (`input`), this product, and a residual
     /// add after it. On CUDA with dense bf16 weights and no bias that is one kernel; elsewhere
     /// the same operations one after another (identical results on CPU).

@@ -2,7 +2,7 @@
 //! attention with RoPE, SwiGLU MLP, tied or untied output head. Qwen2 reuses it with QKV biases
 //! and half-split RoPE.
 
-use crate::layers::{self, Activation, Embedding, FusedLinear, GatedMlp, SelfAttention, SelfAttentionConfig};
+use crate::layers::{self, fused_decode_step, Activation, Embedding, FusedLinear, GatedMlp, SelfAttention, SelfAttentionConfig};
 use crate::loader::{gguf::GgufFile, WeightSource};
 use crate::{CausalLm, ModelInfo, SeqInput};
 use candle_core::{DType, Device, Result, Tensor};
@@ -270,6 +270,10 @@ impl CausalLm for Llama {
         }
         let mut x = self.embed.forward_tensor(token, &self.device)?;
         for (layer, (ck, cv)) in self.layers.iter().zip(kv) {
+            if let Some(y) = fused_decode_step(&layer.attn_norm, &layer.attn, &layer.ffn_norm, &layer.mlp, &x, pos, ck, cv)? {
+                x = y;
+                continue;
+            }
             x = layer.attn.forward_static(&x, &layer.attn_norm, pos, ck, cv)?;
             x = layer.mlp.forward_row(&x, &layer.ffn_norm)?;
         }

@@ -187,9 +187,9 @@ extern "C" __global__ void fl_rope_f32(const float* x, float* out, const float* 
 // ks, vs into the cache rows kr, vr (dim values each); the block's threads share the pairs.
 template <typename T>
 __device__ void write_kv_row(const T* ks, const T* vs, T* kr, T* vr, int dim, size_t p, const float* cos_t,
-                             const float* sin_t, int interleaved) {
+                             const float* sin_t, int interleaved, int tid, int nthreads) {
   int half = dim / 2;
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+  for (int i = tid; i < half; i += nthreads) {
     int ai = interleaved ? 2 * i : i;
     int bi = interleaved ? 2 * i + 1 : i + half;
     if (cos_t) {
@@ -217,7 +217,8 @@ __device__ void kv_append(const T* k, const T* v, T* kc, T* vc, const float* cos
   if (p >= (unsigned)cap) return;  // the host reserves capacity before any step; never taken
   int h = blockIdx.x;
   size_t o = ((size_t)h * cap + p) * dim;
-  write_kv_row(k + (size_t)h * dim, v + (size_t)h * dim, kc + o, vc + o, dim, p, cos_t, sin_t, interleaved);
+  write_kv_row(k + (size_t)h * dim, v + (size_t)h * dim, kc + o, vc + o, dim, p, cos_t, sin_t, interleaved, threadIdx.x,
+               blockDim.x);
 }
 
 extern "C" __global__ void fl_kv_append_bf16(const bf16* k, const bf16* v, bf16* kc, bf16* vc, const float* c, const float* s,
@@ -247,6 +248,29 @@ extern "C" __global__ void fl_kv_append_f32(const float* k, const float* v, floa
 #define ATTN_CHUNK 64
 #define ATTN_MAX_G 8
 
+// The threads that work on one (kv head, split) item: a whole block of ATTN_THREADS in
+// fl_attn_*, or one of several ATTN_THREADS-thread groups of a larger block (the decode-layer
+// kernel), synchronized by their own named barrier.
+struct AttnGroup {
+  int tid;  // 0 .. ATTN_THREADS-1
+  int id;   // 0: the whole block; else named barrier `id`
+  __device__ __forceinline__ void sync() const {
+    if (id == 0) __syncthreads();
+    else asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(ATTN_THREADS) : "memory");
+  }
+};
+
+// Shared memory of one item's chunk, for up to MG query heads per kv head.
+template <int D, int MG>
+struct AttnShared {
+  static constexpr int SLOTS = ATTN_THREADS / (D / 8);
+  float qs[MG][D];
+  float ps[MG][ATTN_CHUNK];
+  float sm[MG], sl[MG];
+  float pacc[SLOTS][MG][D];
+  bool last;
+};
+
 template <typename T> struct Vec8;
 template <> struct Vec8<bf16> {
   uint4 raw;
@@ -273,23 +297,27 @@ template <> struct Vec8<float> {
 // Order matters more than arithmetic here: the block's K and V loads go out first, before the
 // wait for the previous kernel (programmatic dependent launch) and before q is staged, since
 // cached rows never depend on the kernels of this step, so their memory latency overlaps
-// everything else. Only the block whose chunk holds the new token (`appends`) writes that row
-// first and loads after it.
-template <typename T, int D>
+// everything else. The block whose chunk holds the new token (`appends`) writes that row after
+// the wait and loads it after writing it.
+//
+// `wait()` is called exactly once, after the cached rows' loads are issued and before anything
+// written by the previous kernel (or phase) is read.
+template <typename T, int D, int MG, typename Wait>
 __device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const float* sin_t, long qpos, int G,
                            long head_stride, int key_start, int s_max, int window, float scale, float softcap,
                            int interleaved, const T* k_new, const T* v_new, float* part_m, float* part_l,
-                           float* part_acc) {
+                           float* part_acc, int h, int split, int nsplit, const AttnGroup& grp, AttnShared<D, MG>& S,
+                           Wait wait) {
   constexpr int V8 = D / 8;                 // 8-element vectors per row
   constexpr int HALF_V = V8 / 2;            // vectors per score thread
   constexpr int SLOTS = ATTN_THREADS / V8;  // key rows in flight in P·V
   constexpr int PER = ATTN_CHUNK / SLOTS;   // P·V rows per thread
   constexpr bool EARLY_V = D <= 128;        // V in registers from the start (else after softmax)
-  __shared__ float qs[ATTN_MAX_G][D];
-  __shared__ float ps[ATTN_MAX_G][ATTN_CHUNK];
-  __shared__ float sm[ATTN_MAX_G], sl[ATTN_MAX_G];
+  auto& qs = S.qs;
+  auto& ps = S.ps;
+  auto& sm = S.sm;
+  auto& sl = S.sl;
   static_assert(ATTN_CHUNK == 64 && ATTN_THREADS == 2 * ATTN_CHUNK, "two score threads per key, two keys per softmax lane");
-  int h = blockIdx.x, split = blockIdx.y, nsplit = gridDim.y;
   long hi = qpos + 1 - key_start;
   if (hi > s_max) hi = s_max;
   long lo = 0;
@@ -300,8 +328,8 @@ __device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const f
   long begin = (long)split * ATTN_CHUNK, end = begin + ATTN_CHUNK;
   long first = begin > lo ? begin : lo, last = end < hi ? end : hi;
   if (first >= last) {
-    pdl_prologue();
-    for (int g = threadIdx.x; g < G; g += blockDim.x) {
+    wait();
+    for (int g = grp.tid; g < G; g += ATTN_THREADS) {
       size_t slot = (size_t)(h * G + g) * nsplit + split;
       part_m[slot] = -INFINITY;
       part_l[slot] = 0.f;
@@ -312,7 +340,7 @@ __device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const f
   bool appends = k_new && jn >= begin && jn < end && jn < s_max;
   T* kh = kc + (size_t)h * head_stride;
   T* vh = vc + (size_t)h * head_stride;
-  int tid = threadIdx.x;
+  int tid = grp.tid;
 
   // Registers: this thread's K vectors (score phase: threads 2k and 2k+1 share key begin+k,
   // half p takes vectors p, p+2, ...) and V vectors (P·V: thread (slot, c) takes vector c of
@@ -322,36 +350,37 @@ __device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const f
   int slot = tid / V8, c = tid % V8;
   Vec8<T> kv[HALF_V];
   Vec8<T> vv[PER];
-  auto load_k = [&]() {
-    if (s_live) {
+  // The block that appends loads every other row first and the new row only after writing it,
+  // so that only that row's latency follows the write.
+  long skip = appends ? jn : -1;
+  auto load_k = [&](bool new_row) {
+    if (s_live && (begin + sk == skip) == new_row) {
 #pragma unroll
       for (int u = 0; u < HALF_V; u++) kv[u].load(kh + (size_t)(begin + sk) * D + (2 * u + sp) * 8);
     }
   };
-  auto load_v = [&]() {
+  auto load_v = [&](bool new_row) {
 #pragma unroll
     for (int r = 0; r < PER; r++) {
       long j = begin + slot + r * SLOTS;
-      if (j >= first && j < last) vv[r].load(vh + (size_t)j * D + c * 8);
+      if (j >= first && j < last && (j == skip) == new_row) vv[r].load(vh + (size_t)j * D + c * 8);
     }
   };
-  if (!appends) {
-    load_k();
-    if (EARLY_V) load_v();
-  }
-  pdl_prologue();
+  load_k(false);
+  if (EARLY_V) load_v(false);
+  wait();
   if (appends) {
     // The new token's row, written by the one block whose chunk holds it (fl_kv_append's work).
     write_kv_row<T>(k_new + (size_t)h * D, v_new + (size_t)h * D, kh + (size_t)jn * D, vh + (size_t)jn * D, D, qpos,
-                    cos_t, sin_t, interleaved);
-    __syncthreads();  // the loads below see the new row
-    load_k();
-    if (EARLY_V) load_v();
+                    cos_t, sin_t, interleaved, tid, ATTN_THREADS);
+    grp.sync();  // the loads below see the new row
+    load_k(true);
+    if (EARLY_V) load_v(true);
   }
 
   // q (rotated, scaled) into shared memory.
   int half = D / 2;
-  for (int idx = tid; idx < G * half; idx += blockDim.x) {
+  for (int idx = tid; idx < G * half; idx += ATTN_THREADS) {
     int g = idx / half, i = idx % half;
     const T* src = q + (size_t)(h * G + g) * D;
     int ai = interleaved ? 2 * i : i;
@@ -368,11 +397,11 @@ __device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const f
     qs[g][ai] = a * scale;
     qs[g][bi] = b * scale;
   }
-  __syncthreads();  // qs ready
+  grp.sync();  // qs ready
 
   // Scores.
 #pragma unroll
-  for (int g = 0; g < ATTN_MAX_G; g++) {
+  for (int g = 0; g < MG; g++) {
     if (g >= G) break;
     float s = 0.f;
     if (s_live) {
@@ -387,7 +416,7 @@ __device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const f
     if (s_live && softcap > 0.f) s = tanhf(s / softcap) * softcap;
     if (sp == 0) ps[g][sk] = s_live ? s : -INFINITY;
   }
-  __syncthreads();
+  grp.sync();
 
   // Softmax over the chunk: warp w takes heads w, w+4, ...
   {
@@ -407,15 +436,18 @@ __device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const f
       }
     }
   }
-  __syncthreads();
+  grp.sync();
 
   // P·V, then the SLOTS partial sums of each output added in shared memory.
-  __shared__ float pacc[SLOTS][ATTN_MAX_G][D];
+  auto& pacc = S.pacc;
   {
-    if (!EARLY_V) load_v();
-    float acc[ATTN_MAX_G][8];
+    if (!EARLY_V) {
+      load_v(false);
+      load_v(true);
+    }
+    float acc[MG][8];
 #pragma unroll
-    for (int g = 0; g < ATTN_MAX_G; g++)
+    for (int g = 0; g < MG; g++)
 #pragma unroll
       for (int e = 0; e < 8; e++) acc[g][e] = 0.f;
 #pragma unroll
@@ -424,7 +456,7 @@ __device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const f
       long j = begin + k;
       if (j < first || j >= last) continue;
 #pragma unroll
-      for (int g = 0; g < ATTN_MAX_G; g++) {
+      for (int g = 0; g < MG; g++) {
         if (g >= G) break;
         float w = ps[g][k];
 #pragma unroll
@@ -432,14 +464,14 @@ __device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const f
       }
     }
 #pragma unroll
-    for (int g = 0; g < ATTN_MAX_G; g++) {
+    for (int g = 0; g < MG; g++) {
       if (g >= G) break;
 #pragma unroll
       for (int e = 0; e < 8; e++) pacc[slot][g][c * 8 + e] = acc[g][e];
     }
   }
-  __syncthreads();
-  for (int idx = tid; idx < G * D; idx += blockDim.x) {
+  grp.sync();
+  for (int idx = tid; idx < G * D; idx += ATTN_THREADS) {
     int g = idx / D, d = idx % D;
     float a = 0.f;
 #pragma unroll
@@ -454,140 +486,105 @@ __device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const f
 }
 
 // Merges the splits of kv head h's G query heads into out [hq, D] (run by the last block of the
-// head to finish). Partials are read past L1 (other blocks wrote them), and the loads of a pass
-// are independent of each other so that they overlap: a split-by-split loop is a chain of L2
-// latencies. Pass 1: each warp combines its heads' (max, sum) pairs online, one load of each per
-// split. Pass 2, in rounds of MERGE_ROUND splits: the splits' weights into shared memory, then
-// each thread sums 16-byte vectors of the weighted values of its (head, 4 outputs) over a share
-// of the round's splits, sixteen loads in flight. Splits with no visible key wrote no values: their
-// weight is exactly 0 and their garbage values are selected away, never multiplied.
-#define MERGE_ROUND 64
+// head to finish). Partials are read past L1 (other blocks wrote them). The merge sits on the
+// step's critical path after the slowest chunk, so it is one pass of independent loads: each
+// thread takes a (head, 4 outputs) pair and every share-th split, loads MERGE_BATCH splits' max,
+// sum and values at once, and folds them in with an online softmax; the `share` lanes of a pair
+// then combine theirs by shuffles. Splits with no visible key (max -inf) wrote no values: they are
+// skipped, their garbage never multiplied. (Batches of 16 measured no faster than 8.)
+#define MERGE_BATCH 8
+__device__ __forceinline__ float4 fma4(float4 a, float s, float4 b, float t) {
+  return make_float4(a.x * s + b.x * t, a.y * s + b.y * t, a.z * s + b.z * t, a.w * s + b.w * t);
+}
+// (M, L, A) <- the online-softmax combination of (M, L, A) and (m, l, a).
+__device__ __forceinline__ void merge_into(float& M, float& L, float4& A, float m, float l, float4 a) {
+  float nm = fmaxf(M, m);
+  if (nm == -INFINITY) return;
+  float s1 = M == -INFINITY ? 0.f : __expf(M - nm);
+  float s2 = m == -INFINITY ? 0.f : __expf(m - nm);
+  A = fma4(A, s1, a, s2);
+  L = L * s1 + l * s2;
+  M = nm;
+}
 template <typename T, int D>
-__device__ void attn_merge(const float* part_m, const float* part_l, const float* part_acc, T* out, int h, int G, int nsplit) {
+__device__ void attn_merge(const float* part_m, const float* part_l, const float* part_acc, T* out, int h, int G, int nsplit,
+                           const AttnGroup& grp) {
   constexpr int D4 = D / 4;
-  __shared__ float Ms[ATTN_MAX_G], dens[ATTN_MAX_G];
-  __shared__ float wts[ATTN_MAX_G][MERGE_ROUND];
-  int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  for (int g = warp; g < G; g += ATTN_THREADS / 32) {
-    const float* pm = part_m + (size_t)(h * G + g) * nsplit;
-    const float* pl = part_l + (size_t)(h * G + g) * nsplit;
-    float M = -INFINITY, L = 0.f;
-#pragma unroll 4
-    for (int s = lane; s < nsplit; s += 32) {
-      float m = __ldcg(pm + s), l = __ldcg(pl + s);
-      if (m == -INFINITY) continue;
-      float nm = fmaxf(M, m);
-      L = (M == -INFINITY ? 0.f : L * __expf(M - nm)) + l * __expf(m - nm);
-      M = nm;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      float m2 = __shfl_xor_sync(0xffffffffu, M, o), l2 = __shfl_xor_sync(0xffffffffu, L, o);
-      float nm = fmaxf(M, m2);
-      if (nm != -INFINITY) L = (M == -INFINITY ? 0.f : L * __expf(M - nm)) + (m2 == -INFINITY ? 0.f : l2 * __expf(m2 - nm));
-      M = nm;
-    }
-    if (lane == 0) {
-      Ms[g] = M;
-      dens[g] = L;
-    }
-  }
-  __syncthreads();
-  // Thread layout of pass 2: `pairs` (head, vector) outputs, `share` threads per output taking
-  // every share-th split of the round (or one thread taking several outputs when they outnumber
-  // the threads).
+  int tid = grp.tid;
   int pairs = G * D4;
-  int share = 1;  // a power of two, so that the shares of an output are aligned lanes
+  int share = 1;  // a power of two, so that the shares of a pair are aligned lanes (full warps)
   while (2 * share * pairs <= ATTN_THREADS) share *= 2;
   int sub = tid % share;
-  float4 num[ATTN_MAX_G * D4 / ATTN_THREADS > 0 ? ATTN_MAX_G * D4 / ATTN_THREADS : 1];
-  constexpr int OUTS = ATTN_MAX_G * D4 / ATTN_THREADS > 0 ? ATTN_MAX_G * D4 / ATTN_THREADS : 1;
+  for (int pair = tid / share; pair < pairs; pair += ATTN_THREADS / share) {
+    int g = pair / D4, d4 = pair % D4;
+    size_t row = (size_t)(h * G + g) * nsplit;
+    const float4* pa = reinterpret_cast<const float4*>(part_acc + row * D) + d4;
+    float M = -INFINITY, L = 0.f;
+    float4 A = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int base = sub; base < nsplit; base += MERGE_BATCH * share) {
+      float m[MERGE_BATCH], l[MERGE_BATCH];
+      float4 a[MERGE_BATCH];
 #pragma unroll
-  for (int o = 0; o < OUTS; o++) num[o] = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int base = 0; base < nsplit; base += MERGE_ROUND) {
-    int n = min(MERGE_ROUND, nsplit - base);
-    for (int idx = tid; idx < G * MERGE_ROUND; idx += ATTN_THREADS) {
-      int g = idx / MERGE_ROUND, s = idx % MERGE_ROUND;
-      float w = 0.f;
-      if (s < n) {
-        float m = __ldcg(part_m + (size_t)(h * G + g) * nsplit + base + s);
-        w = m == -INFINITY ? 0.f : __expf(m - Ms[g]);
+      for (int b = 0; b < MERGE_BATCH; b++) {
+        int s = base + b * share;
+        bool in = s < nsplit;
+        m[b] = in ? __ldcg(part_m + row + s) : -INFINITY;
+        l[b] = in ? __ldcg(part_l + row + s) : 0.f;
+        a[b] = in ? __ldcg(pa + (size_t)s * D4) : make_float4(0.f, 0.f, 0.f, 0.f);
       }
-      wts[g][s] = w;
-    }
-    __syncthreads();
 #pragma unroll
-    for (int o = 0; o < OUTS; o++) {
-      int pair = share > 1 ? tid / share : tid + o * ATTN_THREADS;
-      if (pair >= pairs || (share > 1 && o > 0)) break;
-      int g = pair / D4, d4 = pair % D4;
-      const float4* pa = reinterpret_cast<const float4*>(part_acc + ((size_t)(h * G + g) * nsplit + base) * D) + d4;
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 16
-      for (int s = sub; s < n; s += share) {
-        float4 a = __ldcg(pa + (size_t)s * D4);
-        float w = wts[g][s];
-        if (w != 0.f) {
-          acc.x = fmaf(a.x, w, acc.x);
-          acc.y = fmaf(a.y, w, acc.y);
-          acc.z = fmaf(a.z, w, acc.z);
-          acc.w = fmaf(a.w, w, acc.w);
-        }
-      }
-      num[o].x += acc.x;
-      num[o].y += acc.y;
-      num[o].z += acc.z;
-      num[o].w += acc.w;
+      for (int b = 0; b < MERGE_BATCH; b++)
+        if (m[b] != -INFINITY) merge_into(M, L, A, m[b], l[b], a[b]);
     }
-    __syncthreads();
-  }
-  // The `share` threads of an output are adjacent lanes: add their sums.
-  for (int o = 1; o < share; o <<= 1) {
-    num[0].x += __shfl_xor_sync(0xffffffffu, num[0].x, o);
-    num[0].y += __shfl_xor_sync(0xffffffffu, num[0].y, o);
-    num[0].z += __shfl_xor_sync(0xffffffffu, num[0].z, o);
-    num[0].w += __shfl_xor_sync(0xffffffffu, num[0].w, o);
-  }
-#pragma unroll
-  for (int o = 0; o < OUTS; o++) {
-    int pair = share > 1 ? tid / share : tid + o * ATTN_THREADS;
-    if (pair >= pairs || (share > 1 && (o > 0 || sub != 0))) break;
-    int g = pair / D4;
-    float den = dens[g], inv = den > 0.f ? 1.f / den : 0.f;
-    T* dst = out + (size_t)(h * G) * D + (size_t)pair * 4;
-    dst[0] = from_f<T>(den > 0.f ? num[o].x * inv : 0.f);
-    dst[1] = from_f<T>(den > 0.f ? num[o].y * inv : 0.f);
-    dst[2] = from_f<T>(den > 0.f ? num[o].z * inv : 0.f);
-    dst[3] = from_f<T>(den > 0.f ? num[o].w * inv : 0.f);
+    for (int o = 1; o < share; o <<= 1) {
+      float m2 = __shfl_xor_sync(0xffffffffu, M, o), l2 = __shfl_xor_sync(0xffffffffu, L, o);
+      float4 a2 = make_float4(__shfl_xor_sync(0xffffffffu, A.x, o), __shfl_xor_sync(0xffffffffu, A.y, o),
+                              __shfl_xor_sync(0xffffffffu, A.z, o), __shfl_xor_sync(0xffffffffu, A.w, o));
+      merge_into(M, L, A, m2, l2, a2);
+    }
+    if (sub == 0) {
+      float inv = L > 0.f ? 1.f / L : 0.f;
+      T* dst = out + (size_t)(h * G + g) * D + (size_t)d4 * 4;
+      dst[0] = from_f<T>(A.x * inv);
+      dst[1] = from_f<T>(A.y * inv);
+      dst[2] = from_f<T>(A.z * inv);
+      dst[3] = from_f<T>(A.w * inv);
+    }
   }
 }
 
-// The decode attention kernel: grid (hkv, nsplit), ATTN_THREADS threads. With k_new non-null the
-// new token's key and value are appended first (see write_kv_row). Each block writes its chunk's
-// partials; the last block of kv head h to finish (counted in counters[h], which it resets to 0
-// for the next step) merges them into out.
-//
-// The position is read before the wait for the previous kernel: it was written by the step
-// before, and every kernel here signals its dependents only after its own wait, so all kernels
-// but the immediately preceding one have finished when this one starts.
+// One (kv head h, split) item: the chunk, then, if this is the last of head h's items to finish,
+// the merge. Every thread of the group must call it.
+template <typename T, int D, int MG, typename Wait>
+__device__ void attn_item(const T* q, T* kc, T* vc, const float* cos_t, const float* sin_t, long qpos, int G,
+                          long head_stride, int key_start, int s_max, int window, float scale, float softcap,
+                          int interleaved, float* part_m, float* part_l, float* part_acc, const T* k_new, const T* v_new,
+                          unsigned* counters, T* out, int h, int split, int nsplit, const AttnGroup& grp,
+                          AttnShared<D, MG>& S, Wait wait) {
+  attn_chunk<T, D, MG>(q, kc, vc, cos_t, sin_t, qpos, G, head_stride, key_start, s_max, window, scale, softcap, interleaved,
+                   k_new, v_new, part_m, part_l, part_acc, h, split, nsplit, grp, S, wait);
+  __threadfence();
+  grp.sync();
+  if (grp.tid == 0) S.last = atomicAdd(&counters[h], 1u) == (unsigned)nsplit - 1;
+  grp.sync();
+  bool last = S.last;
+  grp.sync();  // S.last is read by all before the group's next item may overwrite it
+  if (!last) return;
+  __threadfence();
+  attn_merge<T, D>(part_m, part_l, part_acc, out, h, G, nsplit, grp);
+  if (grp.tid == 0) counters[h] = 0u;
+}
+
 template <typename T, int D>
 __device__ void attn_decode(const T* q, T* kc, T* vc, const float* cos_t, const float* sin_t, const unsigned* pos_ptr,
                             unsigned pos_host, int G, long head_stride, int key_start, int s_max, int window, float scale,
                             float softcap, int interleaved, float* part_m, float* part_l, float* part_acc, const T* k_new,
                             const T* v_new, unsigned* counters, T* out) {
-  __shared__ bool last_block;
-  int h = blockIdx.x, nsplit = gridDim.y;
+  __shared__ AttnShared<D, ATTN_MAX_G> S;
   long qpos = (long)read_pos(pos_ptr, pos_host);
-  attn_chunk<T, D>(q, kc, vc, cos_t, sin_t, qpos, G, head_stride, key_start, s_max, window, scale, softcap, interleaved,
-                   k_new, v_new, part_m, part_l, part_acc);
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last_block = atomicAdd(&counters[h], 1u) == (unsigned)nsplit - 1;
-  __syncthreads();
-  if (!last_block) return;
-  __threadfence();
-  attn_merge<T, D>(part_m, part_l, part_acc, out, h, G, nsplit);
-  if (threadIdx.x == 0) counters[h] = 0u;
+  attn_item<T, D, ATTN_MAX_G>(q, kc, vc, cos_t, sin_t, qpos, G, head_stride, key_start, s_max, window, scale, softcap, interleaved,
+                  part_m, part_l, part_acc, k_new, v_new, counters, out, blockIdx.x, blockIdx.y, gridDim.y,
+                  AttnGroup{(int)threadIdx.x, 0}, S, [] { pdl_prologue(); });
 }
 
 #define ATTN_INSTANCE(T, NAME, D)                                                                                  \
@@ -934,3 +931,5 @@ extern "C" __global__ void __launch_bounds__(256) fl_argmax_final(const float* p
 
 // p[0] += 1 (the decode position, advanced inside the captured step).
 extern "C" __global__ void fl_increment_u32(unsigned* p) { pdl_prologue(); p[0] += 1u; }
+
+#include "decode_layer.cuh"

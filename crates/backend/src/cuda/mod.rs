@@ -9,7 +9,8 @@
 //! Debug levers, read once: `FERROLM_CUDA_KERNELS=0` turns every ferrolm kernel off (candle ops
 //! only), `FERROLM_CUDA_GEMV=0` only the batch-1 matrix-vector kernel (cuBLAS instead),
 //! `FERROLM_CUDA_GEMV=smem` picks its shared-memory variant, `FERROLM_CUDA_SOFTMAX=0` turns off
-//! the fused masked softmax of prefill attention (candle's mask + softmax instead).
+//! the fused masked softmax of prefill attention (candle's mask + softmax instead),
+//! `FERROLM_CUDA_LAYER=1` turns on the one-kernel decode layer (`layer.rs`, experimental).
 
 use candle_core::cuda_backend::cudarc::driver::{sys, DevicePtr};
 use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice};
@@ -58,6 +59,9 @@ pub struct Policy {
     pub masked_softmax: bool,
     /// `FERROLM_CUDA_PDL=1`: programmatic dependent launch (see `launch_raw`).
     pub pdl: bool,
+    /// `FERROLM_CUDA_LAYER=1`: a decode layer as one persistent kernel (`layer.rs`; measured
+    /// slower than the five separate kernels so far, hence off by default).
+    pub layer_kernel: bool,
 }
 
 pub fn policy() -> Policy {
@@ -68,7 +72,9 @@ pub fn policy() -> Policy {
         let smem = std::env::var("FERROLM_CUDA_GEMV").is_ok_and(|v| v == "smem");
         let softmax = !off("FERROLM_CUDA_SOFTMAX");
         let pdl = std::env::var("FERROLM_CUDA_PDL").is_ok_and(|v| v == "1");
-        Policy { kernels, gemv: kernels && !off("FERROLM_CUDA_GEMV"), gemv_smem: kernels && smem, masked_softmax: kernels && softmax, pdl }
+        let gemv = kernels && !off("FERROLM_CUDA_GEMV");
+        let layer_kernel = gemv && std::env::var("FERROLM_CUDA_LAYER").is_ok_and(|v| v == "1");
+        Policy { kernels, gemv, gemv_smem: kernels && smem, masked_softmax: kernels && softmax, pdl, layer_kernel }
     })
 }
 
@@ -203,9 +209,20 @@ pub(crate) unsafe fn launch_raw(
     use candle_core::cuda_backend::WrapErr;
     let stream = dev.cuda_stream();
     stream.context().bind_to_thread().w()?;
-    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.programmaticStreamSerializationAllowed = 1;
+    let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
+    let mut n = 0;
+    // A cooperative kernel never waits for its predecessor (griddepcontrol): no early launch.
+    let cooperative = COOPERATIVE.with(|c| c.replace(false));
+    if policy().pdl && !cooperative {
+        attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attrs[n].value.programmaticStreamSerializationAllowed = 1;
+        n += 1;
+    }
+    if cooperative {
+        attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+        attrs[n].value.cooperative = 1;
+        n += 1;
+    }
     let cfg = sys::CUlaunchConfig {
         gridDimX: grid.0,
         gridDimY: grid.1,
@@ -215,8 +232,8 @@ pub(crate) unsafe fn launch_raw(
         blockDimZ: 1,
         sharedMemBytes: smem,
         hStream: stream.cu_stream(),
-        attrs: &mut attr,
-        numAttrs: policy().pdl as u32,
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: n as u32,
     };
     sys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()).result().w()
 }
@@ -224,6 +241,14 @@ pub(crate) unsafe fn launch_raw(
 thread_local! {
     /// Dynamic shared memory for the next `launch!` on this thread (set by `with_smem`).
     static SMEM: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+    /// Whether the next `launch!` on this thread is cooperative (set by `cooperatively`).
+    static COOPERATIVE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Makes the next `launch!` on this thread cooperative: all its blocks are resident at once (or
+/// the launch fails), which grid-wide barriers inside the kernel rely on.
+pub(crate) fn cooperatively() {
+    COOPERATIVE.with(|c| c.set(true));
 }
 
 pub(crate) fn launch_smem() -> u32 {
@@ -237,6 +262,7 @@ pub(crate) fn with_smem(bytes: u32) {
 
 pub mod arena;
 pub mod graph;
+pub mod layer;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod ops;

@@ -87,6 +87,9 @@ pub fn run(dev: &Device) -> Result<Vec<Check>> {
     for (n, k) in [(3072, 2048), (4096, 14336), (576, 576), (1000, 24)] {
         out.extend(check_gemv_fused(dev, n, k)?);
     }
+    for (hidden, hq, hkv, d, inter, s) in [(512, 8, 2, 64, 1024, 300), (1024, 8, 4, 128, 2816, 1000), (576, 9, 3, 64, 1536, 40)] {
+        out.extend(check_decode_layer(dev, hidden, (hq, hkv, d), inter, s)?);
+    }
     let logits = randn(128256, DType::F32, dev)?;
     let dst = Tensor::zeros(1, DType::U32, dev)?;
     crate::ops::argmax_into(&logits, &dst)?;
@@ -199,4 +202,68 @@ fn check_graph(dev: &Device) -> Result<Check> {
     let n = p.to_vec1::<u32>()?[0];
     let err = rel(&y, &(&x * 2.0)?)? + (n != 4) as u8 as f64;
     Ok(Check { name: "graph capture + replay (exact)".into(), error: err, bound: 0.0 })
+}
+
+/// The decode-layer kernel against the five separate kernels it replaces, two consecutive
+/// steps (positions s-1 and s, so the in-kernel counters and barrier must reset): the output
+/// and the appended cache rows bit-identical.
+fn check_decode_layer(dev: &Device, hidden: usize, heads: (usize, usize, usize), inter: usize, s: usize) -> Result<Vec<Check>> {
+    use super::layer::{launch_layer, DecodeLayerArgs};
+    use ops::GemvInput;
+    let (hq, hkv, d) = heads;
+    let bf = DType::BF16;
+    let cap = s + 64;
+    let w = |n: usize, k: usize| -> Result<Tensor> { (randn((n, k), bf, dev)? * (1.0 / (k as f64).sqrt()))?.to_dtype(bf) };
+    let (wqkv, wo, wgu, wdown) = (w((hq + 2 * hkv) * d, hidden)?, w(hidden, hq * d)?, w(2 * inter, hidden)?, w(hidden, inter)?);
+    let n1 = (randn(hidden, DType::F32, dev)?.affine(0.1, 1.0))?;
+    let n2 = (randn(hidden, DType::F32, dev)?.affine(0.1, 1.0))?;
+    let p = AttentionParams { scale: (d as f32).powf(-0.5), window: None, softcap: None };
+    let rope = Rope::new(RopeStyle::HalfSplit, d, 500000.0, cap, None, dev)?;
+    let (cos, sin, interleaved) = rope.tables()?;
+    let tables = RopeTables { cos, sin, interleaved };
+    let (kc, vc) = (randn((hkv, cap, d), bf, dev)?, randn((hkv, cap, d), bf, dev)?);
+    let (kc2, vc2) = (kc.copy()?, vc.copy()?);
+    let name = format!("decode layer hidden={hidden} heads={hq}/{hkv} d={d} inter={inter}");
+    let mut checks = Vec::new();
+    let mut x = randn((1, hidden), bf, dev)?;
+    for step in 0..2 {
+        let at = s - 1 + step;
+        let pos = Tensor::new(&[at as u32], dev)?;
+        // The separate kernels.
+        let qkv = need(ops::gemv_fused(GemvInput::Normed(&x, &n1, 1e-5), &wqkv, None)?, "qkv")?;
+        let q = qkv.narrow(1, 0, hq * d)?.reshape((1, hq, d))?;
+        let k = qkv.narrow(1, hq * d, hkv * d)?.reshape((1, hkv, d))?.contiguous()?;
+        let v = qkv.narrow(1, (hq + hkv) * d, hkv * d)?.reshape((1, hkv, d))?.contiguous()?;
+        let q = q.contiguous()?;
+        let a = DecodeAttention { q: &q, k: &kc, v: &vc, rope: Some(tables), pos: Pos::Device(&pos), key_start: 0, params: &p, append: Some((&k, &v)) };
+        let attn = need(ops::attend_decode(&a)?, "attention")?;
+        let mid = need(ops::gemv_fused(GemvInput::Plain(&attn), &wo, Some(&x))?, "o")?;
+        let gu = need(ops::gemv_fused(GemvInput::Normed(&mid, &n2, 1e-5), &wgu, None)?, "gate|up")?;
+        let (g, u) = (gu.narrow(1, 0, inter)?.contiguous()?, gu.narrow(1, inter, inter)?.contiguous()?);
+        let want = need(ops::gemv_fused(GemvInput::SiluMul(&g, &u), &wdown, Some(&mid))?, "down")?;
+        // The one kernel, on its own copy of the caches.
+        let args = DecodeLayerArgs {
+            x: &x,
+            attn_norm: (&n1, 1e-5),
+            ffn_norm: (&n2, 1e-5),
+            wqkv: &wqkv,
+            wo: &wo,
+            wgu: &wgu,
+            wdown: &wdown,
+            heads: hq,
+            kv_heads: hkv,
+            head_dim: d,
+            cache_k: &kc2,
+            cache_v: &vc2,
+            rope: tables,
+            pos: &pos,
+            params: &p,
+        };
+        let got = need(launch_layer(&args)?, "decode layer")?;
+        let rows = rel(&kc2.narrow(1, at, 1)?, &kc.narrow(1, at, 1)?)? + rel(&vc2.narrow(1, at, 1)?, &vc.narrow(1, at, 1)?)?;
+        let error = rel(&got, &want)? + rows;
+        checks.push(Check { name: format!("{name} step {step} = separate kernels (exact)"), error, bound: 0.0 });
+        x = want;
+    }
+    Ok(checks)
 }

@@ -37,6 +37,14 @@ impl FusedLinear {
         }
     }
 
+    /// The one stacked product and its projections' widths, when the backend could stack them.
+    pub fn stacked(&self) -> Option<(&Linear, &[usize])> {
+        match self {
+            Self::Stacked { linear, widths } => Some((linear, widths)),
+            Self::Separate(_) => None,
+        }
+    }
+
     pub fn weight_bytes(&self) -> usize {
         match self {
             Self::Stacked { linear, .. } => linear.weight_bytes(),

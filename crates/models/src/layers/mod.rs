@@ -1,11 +1,13 @@
 //! Building blocks shared by the architectures.
 
 mod attention;
+mod decoder;
 mod embedding;
 mod fused;
 mod mlp;
 
 pub use attention::{SelfAttention, SelfAttentionConfig};
+pub use decoder::fused_decode_step;
 pub use embedding::Embedding;
 pub use fused::FusedLinear;
 pub use mlp::{Activation, GatedMlp};

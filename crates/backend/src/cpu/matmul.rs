@@ -52,18 +52,37 @@ struct Part {
     /// First output row of this part in the stack.
     start: usize,
     rows: usize,
-    /// `data` copied into huge pages (`HugeBuf`), which the kernels read instead.
-    copy: Option<super::alloc::HugeBuf>,
-    /// The rows repacked for the 8-bit kernels (`cpu::vnni_packed`), which read them instead
-    /// of `data` (there is no `copy` then).
+    placement: Placement,
+}
+
+/// Where the kernels read a part's weights.
+enum Placement {
+    /// In `data` (the file's map): `FERROLM_MMAP_WEIGHTS=1`, or huge pages were refused.
+    File,
+    /// `data` copied into huge pages (`HugeBuf`).
+    Copy(super::alloc::HugeBuf),
+    /// Repacked for the 8-bit kernels (`cpu::vnni_packed`); the f32-activation kernels read
+    /// `data`, whose pages come back on demand.
     #[cfg(target_arch = "x86_64")]
-    int8: Option<super::alloc::HugeBuf>,
+    Repacked(super::alloc::HugeBuf),
 }
 
 impl Part {
     /// The blocks in the file's layout, from the fastest place that has them.
     fn blocks(&self) -> &[u8] {
-        self.copy.as_ref().map_or_else(|| self.data.bytes(), |c| c.bytes())
+        match &self.placement {
+            Placement::Copy(c) => c.bytes(),
+            _ => self.data.bytes(),
+        }
+    }
+
+    /// The rows repacked for the 8-bit kernels, if they were.
+    #[cfg(target_arch = "x86_64")]
+    fn repacked(&self) -> Option<&[u8]> {
+        match &self.placement {
+            Placement::Repacked(r) => Some(r.bytes()),
+            _ => None,
+        }
     }
 }
 
@@ -124,9 +143,7 @@ impl CpuMatmul {
                 data,
                 start,
                 rows,
-                copy: None,
-                #[cfg(target_arch = "x86_64")]
-                int8: None,
+                placement: Placement::File,
             });
             start += rows;
         }
@@ -148,12 +165,13 @@ impl CpuMatmul {
             return;
         }
         for part in &mut self.parts {
-            #[cfg(target_arch = "x86_64")]
-            if part.int8.is_some() {
+            if !matches!(part.placement, Placement::File) {
                 continue;
             }
             let data = &part.data;
-            part.copy = super::alloc::HugeBuf::copy_of(data.bytes(), &|r| data.release_pages(r)).ok();
+            if let Ok(copy) = super::alloc::HugeBuf::copy_of(data.bytes(), &|r| data.release_pages(r)) {
+                part.placement = Placement::Copy(copy);
+            }
         }
     }
 
@@ -168,7 +186,9 @@ impl CpuMatmul {
             for part in parts {
                 let data = &part.data;
                 // SAFETY: VNNI was detected by the caller.
-                part.int8 = unsafe { pack::<R>(data.bytes(), part.rows, cols, &|r| data.release_pages(r)) }.ok();
+                if let Ok(rows) = unsafe { pack::<R>(data.bytes(), part.rows, cols, &|r| data.release_pages(r)) } {
+                    part.placement = Placement::Repacked(rows);
+                }
             }
         }
         if !super::vnni::available() || super::exact_activations() || self.cols % 64 != 0 {
@@ -185,7 +205,7 @@ impl CpuMatmul {
     /// Whether the 8-bit kernels read repacked rows (`repack_for_int8`).
     #[cfg(target_arch = "x86_64")]
     fn repacked(&self) -> bool {
-        self.parts.iter().all(|p| p.int8.is_some())
+        self.parts.iter().all(|p| p.repacked().is_some())
     }
 
     pub fn rows(&self) -> usize {
@@ -294,7 +314,7 @@ fn weights_in_place() -> bool {
 fn part_bytes(part: &Part, repacked: bool) -> &[u8] {
     #[cfg(target_arch = "x86_64")]
     if repacked {
-        return part.int8.as_ref().expect("repacked rows").bytes();
+        return part.repacked().expect("repacked rows");
     }
     let _ = repacked;
     part.blocks()

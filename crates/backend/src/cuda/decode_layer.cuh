@@ -199,12 +199,7 @@ __device__ void stage_normed(const bf16* x, const float* nw, float eps, int k, u
     for (int i = tid; i < nv; i += 256) {
       uint4 v = __ldcg(xg + i);
       xs[i] = v;
-      const bf16* e = reinterpret_cast<const bf16*>(&v);
-#pragma unroll
-      for (int q = 0; q < 8; q++) {
-        float f = __bfloat162float(e[q]);
-        ss += f * f;
-      }
+      ss = sumsq8(v, ss);
     }
   }
   ss = block_sum(ss);
@@ -245,6 +240,14 @@ struct StoreSiluMul {
     if ((threadIdx.x & 31) == 0) act[r - inter] = __float2bfloat16(gate / (1.f + __expf(-gate)) * v);
   }
 };
+
+// The grid barrier before a product phase, with the phase's first weight chunks loaded inside it.
+template <typename Rows>
+__device__ __forceinline__ void barrier_prefetching(const DecodeLayer& L, const ChunkStream<Rows>& s, ChunkBuffers& bufs) {
+  unsigned gen = grid_arrive(L.bar);
+  s.prefetch(bufs);
+  grid_wait(L.bar, gen);
+}
 
 template <int D, int MG>
 __device__ __forceinline__ void decode_layer(const DecodeLayer& L) {
@@ -306,9 +309,7 @@ __device__ __forceinline__ void decode_layer(const DecodeLayer& L) {
   mark(L, 3);
   int kattn = L.hq * D;
   auto o = chunk_stream(PlainRows{L.hidden, gw, nw}, L.wo, kattn);
-  gen = grid_arrive(L.bar);
-  o.prefetch(bufs);
-  grid_wait(L.bar, gen);
+  barrier_prefetching(L, o, bufs);
   mark(L, 4);
   stage_plain(L.attn, kattn, xs);
   o.run(bufs, xs, StoreRow{L.x_mid, L.x});
@@ -316,9 +317,7 @@ __device__ __forceinline__ void decode_layer(const DecodeLayer& L) {
 
   // 4. norm + gate|up, silu·up
   auto gu = chunk_stream(PairRows{L.inter, gw, nw}, L.wgu, L.hidden);
-  gen = grid_arrive(L.bar);
-  gu.prefetch(bufs);
-  grid_wait(L.bar, gen);
+  barrier_prefetching(L, gu, bufs);
   mark(L, 6);
   stage_normed(L.x_mid, L.n2, L.eps, L.hidden, xs);
   gu.run(bufs, xs, StoreSiluMul{L.act, L.inter, 0.f});
@@ -326,9 +325,7 @@ __device__ __forceinline__ void decode_layer(const DecodeLayer& L) {
 
   // 5. down + residual
   auto down = chunk_stream(PlainRows{L.hidden, gw, nw}, L.wdown, L.inter);
-  gen = grid_arrive(L.bar);
-  down.prefetch(bufs);
-  grid_wait(L.bar, gen);
+  barrier_prefetching(L, down, bufs);
   mark(L, 8);
   stage_plain(L.act, L.inter, xs);
   down.run(bufs, xs, StoreRow{L.x_out, L.x_mid});

@@ -730,6 +730,16 @@ __device__ __forceinline__ uint4 norm8(uint4 v, float inv, const float* nw) {
   for (int k = 0; k < 8; k++) oe[k] = __float2bfloat16(__bfloat162float(e[k]) * inv * ws[k]);
   return o;
 }
+// ss + the sum of squares of 8 bf16 values, added in order.
+__device__ __forceinline__ float sumsq8(uint4 v, float ss) {
+  const bf16* e = reinterpret_cast<const bf16*>(&v);
+#pragma unroll
+  for (int k = 0; k < 8; k++) {
+    float f = __bfloat162float(e[k]);
+    ss += f * f;
+  }
+  return ss;
+}
 __device__ __forceinline__ uint4 silu_mul8(uint4 g, uint4 u) {
   const bf16* ge = reinterpret_cast<const bf16*>(&g);
   const bf16* ue = reinterpret_cast<const bf16*>(&u);
@@ -778,12 +788,7 @@ __device__ void gemv_fused(const bf16* x, const bf16* x2, const float* nw, float
     for (int i = threadIdx.x; i < nv; i += blockDim.x) {
       uint4 v = xg[i];
       xs[i] = v;
-      const bf16* e = reinterpret_cast<const bf16*>(&v);
-#pragma unroll
-      for (int k = 0; k < 8; k++) {
-        float f = __bfloat162float(e[k]);
-        ss += f * f;
-      }
+      ss = sumsq8(v, ss);
     }
     ss = block_sum(ss);
     float inv = rsqrtf(ss / (float)K + eps);

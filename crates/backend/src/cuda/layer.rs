@@ -193,6 +193,8 @@ fn check(a: &DecodeLayerArgs<'_>) -> Result<Option<Shape>> {
         && f32v(a.ffn_norm.0, hidden)
         && a.attn_norm.1 == a.ffn_norm.1
         && f32v(a.rope.cos, a.rope.cos.elem_count())
+        && a.rope.sin.dims() == a.rope.cos.dims()
+        && f32v(a.rope.sin, a.rope.cos.elem_count())
         && a.rope.cos.dims().last() == Some(&(d / 2))
         && a.rope.cos.dims()[0] >= cap
         && a.pos.dtype() == DType::U32

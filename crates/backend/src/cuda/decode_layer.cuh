@@ -249,6 +249,47 @@ __device__ __forceinline__ void barrier_prefetching(const DecodeLayer& L, const 
   grid_wait(L.bar, gen);
 }
 
+// Phase 2: the attention items (kv head, split), one per ATTN_THREADS-thread group at a time,
+// behind the grid barrier after the QKV product; each group's first item's cached rows are
+// prefetched into L2 inside the barrier. With L.clocks, each item's duration is recorded.
+template <int D, int MG>
+__device__ __forceinline__ void attention_phase(const DecodeLayer& L) {
+  extern __shared__ uint4 layer_smem[];
+  int grp = threadIdx.x / ATTN_THREADS, gtid = threadIdx.x % ATTN_THREADS;
+  int nblocks = gridDim.x;
+  int gg = grp * nblocks + blockIdx.x, ng = nblocks * LAYER_GROUPS;
+  int nitems = L.hkv * L.nsplit, G = L.hq / L.hkv;
+  long qpos = (long)*L.pos;
+  unsigned gen = grid_arrive(L.bar);
+  if (gg < nitems) {
+    int h = gg % L.hkv, split = gg / L.hkv;
+    long j = (long)split * ATTN_CHUNK + gtid / 2;
+    if (j <= qpos && j < L.s_max) {
+      const bf16* base = (gtid & 1 ? L.vc : L.kc) + (size_t)h * L.head_stride + (size_t)j * D;
+#pragma unroll
+      for (int o = 0; o < D * 2; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(base + o / 2));
+    }
+  }
+  grid_wait(L.bar, gen);
+  mark(L, 2);
+  AttnShared<D, MG>* S = reinterpret_cast<AttnShared<D, MG>*>(layer_smem);
+  const bf16* k_new = L.qkv + (size_t)L.hq * D;
+  const bf16* v_new = k_new + (size_t)L.hkv * D;
+  for (int it = gg; it < nitems; it += ng) {
+    long long t0 = clock64();
+    attn_item<bf16, D, MG>(L.qkv, L.kc, L.vc, L.cos_t, L.sin_t, qpos, G, L.head_stride, 0, L.s_max, L.window, L.scale,
+                           L.softcap, L.interleaved, L.part_m, L.part_l, L.part_acc, k_new, v_new, L.counters, L.attn,
+                           it % L.hkv, it / L.hkv, L.nsplit, AttnGroup{gtid, 1 + grp}, S[grp], [] {});
+    if (L.clocks && gtid == 0) {
+      long long* g = L.clocks + (size_t)gridDim.x * LAYER_MARKS + (size_t)it * 4;
+      g[0] = clock64() - t0;
+      g[1] = S[grp].last;
+      g[2] = (it / L.hkv) == qpos / ATTN_CHUNK;
+      g[3] = it;
+    }
+  }
+}
+
 template <int D, int MG>
 __device__ __forceinline__ void decode_layer(const DecodeLayer& L) {
   extern __shared__ uint4 layer_smem[];
@@ -269,41 +310,8 @@ __device__ __forceinline__ void decode_layer(const DecodeLayer& L) {
   qkv.run(bufs, xs, StoreRow{L.qkv, nullptr});
   mark(L, 1);
 
-  // 2. attention. The first item's cached rows are prefetched into L2 before the barrier.
-  int grp = threadIdx.x / ATTN_THREADS, gtid = threadIdx.x % ATTN_THREADS;
-  int gg = grp * nblocks + blockIdx.x, ng = nblocks * LAYER_GROUPS;
-  int nitems = L.hkv * L.nsplit, G = L.hq / L.hkv;
-  long qpos = (long)*L.pos;
-  unsigned gen = grid_arrive(L.bar);
-  if (gg < nitems) {
-    int h = gg % L.hkv, split = gg / L.hkv;
-    long j = (long)split * ATTN_CHUNK + gtid / 2;
-    if (j <= qpos && j < L.s_max) {
-      const bf16* base = (gtid & 1 ? L.vc : L.kc) + (size_t)h * L.head_stride + (size_t)j * D;
-#pragma unroll
-      for (int o = 0; o < D * 2; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(base + o / 2));
-    }
-  }
-  grid_wait(L.bar, gen);
-  mark(L, 2);
-  {
-    AttnShared<D, MG>* S = reinterpret_cast<AttnShared<D, MG>*>(layer_smem);
-    const bf16* k_new = L.qkv + (size_t)L.hq * D;
-    const bf16* v_new = k_new + (size_t)L.hkv * D;
-    for (int it = gg; it < nitems; it += ng) {
-      long long t0 = clock64();
-      attn_item<bf16, D, MG>(L.qkv, L.kc, L.vc, L.cos_t, L.sin_t, qpos, G, L.head_stride, 0, L.s_max, L.window, L.scale,
-                         L.softcap, L.interleaved, L.part_m, L.part_l, L.part_acc, k_new, v_new, L.counters, L.attn,
-                         it % L.hkv, it / L.hkv, L.nsplit, AttnGroup{gtid, 1 + grp}, S[grp], [] {});
-      if (L.clocks && gtid == 0) {
-        long long* g = L.clocks + (size_t)gridDim.x * LAYER_MARKS + (size_t)it * 4;
-        g[0] = clock64() - t0;
-        g[1] = S[grp].last;
-        g[2] = (it / L.hkv) == qpos / ATTN_CHUNK;
-        g[3] = it;
-      }
-    }
-  }
+  // 2. attention
+  attention_phase<D, MG>(L);
 
   // 3. O + residual
   mark(L, 3);

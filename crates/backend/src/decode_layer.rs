@@ -27,8 +27,10 @@ pub struct DecodeLayer<'a> {
 
 /// The residual stream after the layer, or None when no single kernel applies.
 pub fn fused_decode_layer(l: &DecodeLayer<'_>, x: &Tensor, pos: &Tensor, cache_k: &Tensor, cache_v: &Tensor) -> Result<Option<Tensor>> {
+    // Off by default (`FERROLM_CUDA_LAYER=1`): checked first, as this runs for every layer of
+    // every eager decode step.
     #[cfg(feature = "cuda")]
-    if matches!(x.device(), candle_core::Device::Cuda(_)) {
+    if matches!(x.device(), candle_core::Device::Cuda(_)) && crate::cuda::policy().layer_kernel {
         let weights = (l.qkv.dense_weight(), l.o.dense_weight(), l.gate_up.dense_weight(), l.down.dense_weight());
         let (Some(wqkv), Some(wo), Some(wgu), Some(wdown)) = weights else { return Ok(None) };
         let (cos, sin, interleaved) = l.rope.tables()?;

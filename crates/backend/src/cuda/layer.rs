@@ -11,7 +11,7 @@
 //! asynchronous copies (TMA), which hold no registers for the loads in flight (decode_layer.cuh).
 
 use super::ops::RopeTables;
-use super::{alloc, alloc_zeroed_u32, cuda_device, policy, ptr};
+use super::{alloc, alloc_zeroed_u32, cuda_device, ptr};
 use crate::attention::AttentionParams;
 use candle_core::cuda_backend::cudarc::driver::sys;
 use candle_core::{DType, Result, Tensor};
@@ -84,16 +84,9 @@ pub struct DecodeLayerArgs<'a> {
 }
 
 /// `x + mlp(x')` with `x' = x + attn(x)`: the layer's output `[1, hidden]`, or None when the
-/// kernel is off or does not apply (the caller runs the separate kernels).
+/// kernel does not apply (the caller runs the separate kernels). Whether it is on at all
+/// (`policy().layer_kernel`) is the caller's check.
 pub fn decode_layer(a: &DecodeLayerArgs<'_>) -> Result<Option<Tensor>> {
-    if !policy().layer_kernel {
-        return Ok(None);
-    }
-    launch_layer(a)
-}
-
-/// [`decode_layer`] whatever the policy says (the self-checks).
-pub(crate) fn launch_layer(a: &DecodeLayerArgs<'_>) -> Result<Option<Tensor>> {
     let Some(dev) = cuda_device(a.x) else { return Ok(None) };
     let Some(shape) = check(a)? else { return Ok(None) };
     let Some(sms) = resident_blocks(&dev)? else { return Ok(None) };

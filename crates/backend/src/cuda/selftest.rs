@@ -208,7 +208,7 @@ fn check_graph(dev: &Device) -> Result<Check> {
 /// steps (positions s-1 and s, so the in-kernel counters and barrier must reset): the output
 /// and the appended cache rows bit-identical.
 fn check_decode_layer(dev: &Device, hidden: usize, heads: (usize, usize, usize), inter: usize, s: usize) -> Result<Vec<Check>> {
-    use super::layer::{launch_layer, DecodeLayerArgs};
+    use super::layer::{decode_layer, DecodeLayerArgs};
     use ops::GemvInput;
     let (hq, hkv, d) = heads;
     let bf = DType::BF16;
@@ -259,7 +259,7 @@ fn check_decode_layer(dev: &Device, hidden: usize, heads: (usize, usize, usize),
             pos: &pos,
             params: &p,
         };
-        let got = need(launch_layer(&args)?, "decode layer")?;
+        let got = need(decode_layer(&args)?, "decode layer")?;
         let rows = rel(&kc2.narrow(1, at, 1)?, &kc.narrow(1, at, 1)?)? + rel(&vc2.narrow(1, at, 1)?, &vc.narrow(1, at, 1)?)?;
         let error = rel(&got, &want)? + rows;
         checks.push(Check { name: format!("{name} step {step} = separate kernels (exact)"), error, bound: 0.0 });

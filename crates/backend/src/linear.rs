@@ -178,7 +178,18 @@ pub enum RowInput<'a> {
     SiluMul(&'a Tensor, &'a Tensor),
 }
 
-impl RowInput<'_> {
+impl<'a> RowInput<'a> {
+    /// The same input for the CUDA kernels that make it themselves.
+    #[cfg(feature = "cuda")]
+    fn on_cuda(self) -> crate::cuda::ops::GemvInput<'a> {
+        use crate::cuda::ops::GemvInput;
+        match self {
+            Self::Plain(x) => GemvInput::Plain(x),
+            Self::Normed(x, n) => GemvInput::Normed(x, n.parts().0, n.parts().1),
+            Self::SiluMul(g, u) => GemvInput::SiluMul(g, u),
+        }
+    }
+
     /// The input row, computed by separate operations.
     pub fn compose(self) -> candle_core::Result<Tensor> {
         match self {
@@ -205,13 +216,7 @@ impl Linear {
     pub fn forward_row(&self, input: RowInput<'_>, residual: Option<&Tensor>) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let (Kernel::Dense(w), None) = (&self.kernel, &self.bias) {
-            use crate::cuda::ops::{gemv_fused, GemvInput};
-            let gi = match input {
-                RowInput::Plain(x) => GemvInput::Plain(x),
-                RowInput::Normed(x, n) => GemvInput::Normed(x, n.parts().0, n.parts().1),
-                RowInput::SiluMul(g, u) => GemvInput::SiluMul(g, u),
-            };
-            if let Some(y) = gemv_fused(gi, w, residual)? {
+            if let Some(y) = crate::cuda::ops::gemv_fused(input.on_cuda(), w, residual)? {
                 return Ok(y);
             }
         }
@@ -220,6 +225,29 @@ impl Linear {
             Some(r) => r + y,
             None => Ok(y),
         }
+    }
+
+    /// One decode row of a stacked gate|up product (`[2·I, in]`, gate rows first) with
+    /// silu(gate)·up applied in the same kernel: `[1, I]`. None where the backend has no such
+    /// kernel (the caller then runs the product and the activation separately).
+    pub fn forward_row_swiglu(&self, input: RowInput<'_>) -> candle_core::Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if let (Kernel::Dense(w), None) = (&self.kernel, &self.bias) {
+            return crate::cuda::ops::gemv_swiglu(input.on_cuda(), w);
+        }
+        let _ = input;
+        Ok(None)
+    }
+
+    /// One decode row through an output head, as f32 logits `[1, out]` (the product's values
+    /// in its own precision, converted), in one kernel where the backend has one; else None.
+    pub fn forward_row_logits(&self, input: RowInput<'_>) -> candle_core::Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if let (Kernel::Dense(w), None) = (&self.kernel, &self.bias) {
+            return crate::cuda::ops::gemv_logits(input.on_cuda(), w);
+        }
+        let _ = input;
+        Ok(None)
     }
 }
 

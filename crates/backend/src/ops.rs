@@ -38,6 +38,20 @@ pub fn argmax_into(logits: &Tensor, dst: &Tensor) -> candle_core::Result<()> {
     dst.slice_set(&best, 0, 0)
 }
 
+/// [`argmax_into`] then [`increment`] of `pos`: the end of a greedy static decode step (on CUDA
+/// one kernel fewer: the final argmax pass advances the position too).
+pub fn argmax_and_advance(logits: &Tensor, dst: &Tensor, pos: &Tensor) -> candle_core::Result<()> {
+    #[cfg(feature = "cuda")]
+    {
+        let flat = logits.flatten_all()?.to_dtype(DType::F32)?.contiguous()?;
+        if crate::cuda::ops::argmax_advance(&flat, dst, Some(pos))? {
+            return Ok(());
+        }
+    }
+    argmax_into(logits, dst)?;
+    increment(pos)
+}
+
 /// `p[0] += 1` in place for a one-element u32 tensor (the position of a captured decode step).
 pub fn increment(p: &Tensor) -> candle_core::Result<()> {
     #[cfg(feature = "cuda")]
@@ -129,6 +143,9 @@ mod tests {
         increment(&dst)?;
         increment(&dst)?;
         assert_eq!(dst.to_vec1::<u32>()?, [3]);
+        let pos = Tensor::new(&[7u32], &dev)?;
+        argmax_and_advance(&Tensor::new(&[0.0f32, -2.0, 4.5], &dev)?, &dst, &pos)?;
+        assert_eq!((dst.to_vec1::<u32>()?, pos.to_vec1::<u32>()?), (vec![2], vec![8]));
         Ok(())
     }
 

@@ -11,7 +11,7 @@
 
 use candle_core::{DType, Device, Result, Tensor, TensorId};
 use ferrolm_backend::graph::{self, StepGraph, TokenReader};
-use ferrolm_backend::ops::{argmax_into, increment};
+use ferrolm_backend::ops::argmax_and_advance;
 use ferrolm_kv::SeqCache;
 use ferrolm_models::CausalLm;
 
@@ -87,8 +87,7 @@ impl GraphDecoder {
             let logits = model
                 .decode_static(&token, &pos, &kv)?
                 .ok_or_else(|| candle_core::Error::Msg("the model has no static decode step".into()))?;
-            argmax_into(&logits, &token)?;
-            increment(&pos)
+            argmax_and_advance(&logits, &token, &pos)
         };
         // Step 1, eagerly: the warm-up a capture needs, and a real step.
         graph::warm_up(&self.device, &mut step)?;

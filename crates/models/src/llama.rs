@@ -7,7 +7,7 @@ use crate::loader::{gguf::GgufFile, WeightSource};
 use crate::{CausalLm, ModelInfo, SeqInput};
 use candle_core::{DType, Device, Result, Tensor};
 use ferrolm_backend::norm::RmsNorm;
-use ferrolm_backend::{AttentionParams, Linear, Rope, RopeStyle};
+use ferrolm_backend::{AttentionParams, Linear, Rope, RopeStyle, RowInput};
 use ferrolm_kv::{KvCache, PlainCache, RotatingCache, SeqCache};
 use std::sync::Arc;
 
@@ -277,8 +277,11 @@ impl CausalLm for Llama {
             x = layer.attn.forward_static(&x, &layer.attn_norm, pos, ck, cv)?;
             x = layer.mlp.forward_row(&x, &layer.ffn_norm)?;
         }
-        // The head's norm stays a kernel of its own: every block of the (vocabulary-wide) fused
-        // product would recompute it.
+        // The final norm and the f32 logits inside the head's product where the backend can (its
+        // blocks each normalize the 2-8 KB row once); else separate operations.
+        if let Some(logits) = self.lm_head.forward_row_logits(RowInput::Normed(&x, &self.norm))? {
+            return Ok(Some(logits));
+        }
         self.project_logits(&self.norm.forward(&x)?).map(Some)
     }
 }

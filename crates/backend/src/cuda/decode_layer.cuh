@@ -205,7 +205,10 @@ __device__ void stage_normed(const bf16* x, const float* nw, float eps, int k, u
   ss = block_sum(ss);
   float inv = rsqrtf(ss / (float)k + eps);
   if (tid < 256)
-    for (int i = tid; i < nv; i += 256) xs[i] = norm8(xs[i], inv, nw + 8 * i);
+    for (int i = tid; i < nv; i += 256) {
+      const float4* wv = reinterpret_cast<const float4*>(nw) + 2 * i;
+      xs[i] = norm8(xs[i], inv, wv[0], wv[1]);
+    }
   __syncthreads();
 }
 

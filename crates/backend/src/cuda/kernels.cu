@@ -21,6 +21,36 @@ __device__ __forceinline__ void pdl_prologue() {
   asm volatile("griddepcontrol.launch_dependents;" :::);
 }
 
+// Timeline probes, compiled only into scripts/gpu/layer_bench.cu (-DFL_TIMELINE): each block of
+// an instrumented kernel appends its kernel kind, shape and the global timer at its marks (entry,
+// after the wait for the previous kernel, after its input is staged, exit) to fl_tl_buf.
+#ifdef FL_TIMELINE
+struct TlRecord {
+  int kind, n, k, block;
+  unsigned long long t[4];
+};
+__device__ TlRecord* fl_tl_buf;
+__device__ unsigned fl_tl_count, fl_tl_cap;
+__device__ __forceinline__ unsigned long long tl_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+#define TL_DECL unsigned long long tl_t[4] = {tl_now(), 0, 0, 0};
+#define TL_MARK(i) tl_t[i] = tl_now();
+#define TL_END(KIND, N, K)                                                              \
+  if (threadIdx.x == 0 && fl_tl_buf) {                                                  \
+    tl_t[3] = tl_now();                                                                 \
+    unsigned i_ = atomicAdd(&fl_tl_count, 1u);                                          \
+    if (i_ < fl_tl_cap)                                                                 \
+      fl_tl_buf[i_] = TlRecord{KIND, N, K, (int)blockIdx.x + (int)blockIdx.y * 65536, {tl_t[0], tl_t[1], tl_t[2], tl_t[3]}}; \
+  }
+#else
+#define TL_DECL
+#define TL_MARK(i)
+#define TL_END(KIND, N, K)
+#endif
+
 __device__ __forceinline__ unsigned read_pos(const unsigned* pos_ptr, unsigned pos_host) {
   return pos_ptr ? *pos_ptr : pos_host;
 }
@@ -575,31 +605,44 @@ __device__ void attn_item(const T* q, T* kc, T* vc, const float* cos_t, const fl
   if (grp.tid == 0) counters[h] = 0u;
 }
 
-template <typename T, int D>
+// MG: the most query heads per kv head the instance handles (its shared memory and registers
+// scale with it): 8, or 4 for the common G <= 4 (Llama 3's 32/8), which leaves room on an SM for
+// the neighbouring kernels' blocks that programmatic dependent launch starts early.
+template <typename T, int D, int MG>
 __device__ void attn_decode(const T* q, T* kc, T* vc, const float* cos_t, const float* sin_t, const unsigned* pos_ptr,
                             unsigned pos_host, int G, long head_stride, int key_start, int s_max, int window, float scale,
                             float softcap, int interleaved, float* part_m, float* part_l, float* part_acc, const T* k_new,
                             const T* v_new, unsigned* counters, T* out) {
-  __shared__ AttnShared<D, ATTN_MAX_G> S;
+  TL_DECL
+  __shared__ AttnShared<D, MG> S;
   long qpos = (long)read_pos(pos_ptr, pos_host);
-  attn_item<T, D, ATTN_MAX_G>(q, kc, vc, cos_t, sin_t, qpos, G, head_stride, key_start, s_max, window, scale, softcap, interleaved,
-                  part_m, part_l, part_acc, k_new, v_new, counters, out, blockIdx.x, blockIdx.y, gridDim.y,
-                  AttnGroup{(int)threadIdx.x, 0}, S, [] { pdl_prologue(); });
+  attn_item<T, D, MG>(q, kc, vc, cos_t, sin_t, qpos, G, head_stride, key_start, s_max, window, scale, softcap, interleaved,
+                      part_m, part_l, part_acc, k_new, v_new, counters, out, blockIdx.x, blockIdx.y, gridDim.y,
+                      AttnGroup{(int)threadIdx.x, 0}, S, [&] {
+                        pdl_prologue();
+                        TL_MARK(1)
+                        TL_MARK(2)
+                      });
+  TL_END(2, G, D)
 }
 
-#define ATTN_INSTANCE(T, NAME, D)                                                                                  \
-  extern "C" __global__ void __launch_bounds__(ATTN_THREADS) fl_attn_##NAME##_d##D(                                \
+#define ATTN_INSTANCE(T, NAME, D, MG, SUFFIX)                                                                      \
+  extern "C" __global__ void __launch_bounds__(ATTN_THREADS) fl_attn_##NAME##_d##D##SUFFIX(                        \
       const T* q, T* kc, T* vc, const float* c, const float* s, const unsigned* pp, unsigned ph, int G, long hs,    \
       int ks, int smax, int win, float scale, float cap, int inter, float* pm, float* pl, float* pa, const T* kn,   \
       const T* vn, unsigned* cnt, T* out) {                                                                        \
-    attn_decode<T, D>(q, kc, vc, c, s, pp, ph, G, hs, ks, smax, win, scale, cap, inter, pm, pl, pa, kn, vn, cnt, out); \
+    attn_decode<T, D, MG>(q, kc, vc, c, s, pp, ph, G, hs, ks, smax, win, scale, cap, inter, pm, pl, pa, kn, vn, cnt, \
+                          out);                                                                                    \
   }
-ATTN_INSTANCE(bf16, bf16, 64)
-ATTN_INSTANCE(bf16, bf16, 128)
-ATTN_INSTANCE(bf16, bf16, 256)
-ATTN_INSTANCE(float, f32, 64)
-ATTN_INSTANCE(float, f32, 128)
-ATTN_INSTANCE(float, f32, 256)
+ATTN_INSTANCE(bf16, bf16, 64, ATTN_MAX_G, )
+ATTN_INSTANCE(bf16, bf16, 128, ATTN_MAX_G, )
+ATTN_INSTANCE(bf16, bf16, 256, ATTN_MAX_G, )
+ATTN_INSTANCE(bf16, bf16, 64, 4, _g4)
+ATTN_INSTANCE(bf16, bf16, 128, 4, _g4)
+ATTN_INSTANCE(bf16, bf16, 256, 4, _g4)
+ATTN_INSTANCE(float, f32, 64, ATTN_MAX_G, )
+ATTN_INSTANCE(float, f32, 128, ATTN_MAX_G, )
+ATTN_INSTANCE(float, f32, 256, ATTN_MAX_G, )
 
 // ---------------------------------------------------------------------------------------------
 // silu(gate) * up, elementwise.
@@ -720,9 +763,8 @@ extern "C" __global__ void __launch_bounds__(256) fl_gemv_smem_bf16(const bf16* 
 //   res non-null: y = bf16(res + bf16(W·x')), the residual add of the unfused composition.
 // Every block prepares x' in shared memory itself (x is a few KB in L2; the block's weight rows
 // are tens of KB from HBM). Needs K/8 uint4 of dynamic shared memory.
-__device__ __forceinline__ uint4 norm8(uint4 v, float inv, const float* nw) {
+__device__ __forceinline__ uint4 norm8(uint4 v, float inv, float4 w0, float4 w1) {
   const bf16* e = reinterpret_cast<const bf16*>(&v);
-  float4 w0 = reinterpret_cast<const float4*>(nw)[0], w1 = reinterpret_cast<const float4*>(nw)[1];
   float ws[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
   uint4 o;
   bf16* oe = reinterpret_cast<bf16*>(&o);
@@ -762,6 +804,58 @@ __device__ __forceinline__ uint4 silu_mul8(uint4 g, uint4 u) {
 // their memory latency overlaps the wait for it (programmatic dependent launch) and the staging
 // of x'. Lanes past the end of the row load nothing and add nothing.
 #define GEMV_BATCH 256  // vectors per warp batch: 32 lanes x 8
+// The RMSNorm weights of a thread's first NORM_PRE vectors of x' (prologue 1), loaded before the
+// wait for the previous kernel (they never depend on it), so that the normalization after the
+// block's sum of squares does not wait for another round trip. Later vectors (K > 8 * NORM_PRE *
+// blockDim) read theirs in place.
+#define NORM_PRE 2
+struct NormPre {
+  float4 w[NORM_PRE][2];
+};
+__device__ __forceinline__ NormPre preload_norm(const float* nw, int pro, int K) {
+  NormPre p = {};
+  if (pro != 1) return p;
+  const float4* wv = reinterpret_cast<const float4*>(nw);
+#pragma unroll
+  for (int u = 0; u < NORM_PRE; u++) {
+    int i = threadIdx.x + u * blockDim.x;
+    if (i < K / 8) p.w[u][0] = wv[2 * i], p.w[u][1] = wv[2 * i + 1];
+  }
+  return p;
+}
+
+// x' (K values, see gemv_fused) into shared memory xs, by the whole block; ends with a barrier.
+// pre: this thread's norm weights from preload_norm (prologue 1).
+__device__ void stage_input(const bf16* x, const bf16* x2, const float* nw, const NormPre& pre, float eps, int pro, int K,
+                            uint4* xs) {
+  int nv = K / 8;
+  const uint4* xg = reinterpret_cast<const uint4*>(x);
+  if (pro == 1) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) {
+      uint4 v = xg[i];
+      xs[i] = v;
+      ss = sumsq8(v, ss);
+    }
+    ss = block_sum(ss);
+    float inv = rsqrtf(ss / (float)K + eps);
+    // Each thread rewrites only the vectors it stored.
+#pragma unroll
+    for (int u = 0; u < NORM_PRE; u++) {
+      int i = threadIdx.x + u * blockDim.x;
+      if (i < nv) xs[i] = norm8(xs[i], inv, pre.w[u][0], pre.w[u][1]);
+    }
+    const float4* wv = reinterpret_cast<const float4*>(nw);
+    for (int i = threadIdx.x + NORM_PRE * blockDim.x; i < nv; i += blockDim.x) xs[i] = norm8(xs[i], inv, wv[2 * i], wv[2 * i + 1]);
+  } else if (pro == 2) {
+    const uint4* ug = reinterpret_cast<const uint4*>(x2);
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) xs[i] = silu_mul8(xg[i], ug[i]);
+  } else {
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) xs[i] = xg[i];
+  }
+  __syncthreads();
+}
+
 template <bool CS>
 __device__ void gemv_fused(const bf16* x, const bf16* x2, const float* nw, float eps, int pro, const bf16* w, const bf16* res,
                            bf16* y, int N, int K) {
@@ -780,27 +874,10 @@ __device__ void gemv_fused(const bf16* x, const bf16* x2, const float* nw, float
     }
   };
   load_batch(0);
+  NormPre pre = preload_norm(nw, pro, K);
   pdl_prologue();
 
-  const uint4* xg = reinterpret_cast<const uint4*>(x);
-  if (pro == 1) {
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < nv; i += blockDim.x) {
-      uint4 v = xg[i];
-      xs[i] = v;
-      ss = sumsq8(v, ss);
-    }
-    ss = block_sum(ss);
-    float inv = rsqrtf(ss / (float)K + eps);
-    // Each thread rewrites only the vectors it stored.
-    for (int i = threadIdx.x; i < nv; i += blockDim.x) xs[i] = norm8(xs[i], inv, nw + 8 * i);
-  } else if (pro == 2) {
-    const uint4* ug = reinterpret_cast<const uint4*>(x2);
-    for (int i = threadIdx.x; i < nv; i += blockDim.x) xs[i] = silu_mul8(xg[i], ug[i]);
-  } else {
-    for (int i = threadIdx.x; i < nv; i += blockDim.x) xs[i] = xg[i];
-  }
-  __syncthreads();
+  stage_input(x, x2, nw, pre, eps, pro, K, xs);
   if (!has_row) return;
   float acc = 0.f;
   for (int base = 0;;) {
@@ -925,16 +1002,23 @@ extern "C" __global__ void __launch_bounds__(256) fl_argmax_partial_f32(const fl
   argmax_block(&best, &idx);
   if (threadIdx.x == 0) { pv[blockIdx.x] = best; pi[blockIdx.x] = idx; }
 }
-extern "C" __global__ void __launch_bounds__(256) fl_argmax_final(const float* pv, const int* pi, unsigned* dst, int parts) { pdl_prologue();
+// advance non-null: also advance[0] += 1 (the decode position; saves a kernel per step).
+extern "C" __global__ void __launch_bounds__(256) fl_argmax_final(const float* pv, const int* pi, unsigned* dst, int parts,
+                                                                  unsigned* advance) { pdl_prologue();
   float best = -INFINITY;
   int idx = 0x7fffffff;
   for (int i = threadIdx.x; i < parts; i += blockDim.x)
     if (argmax_better(pv[i], pi[i], best, idx)) { best = pv[i]; idx = pi[i]; }
   argmax_block(&best, &idx);
-  if (threadIdx.x == 0) dst[0] = idx == 0x7fffffff ? 0u : (unsigned)idx;
+  if (threadIdx.x == 0) {
+    dst[0] = idx == 0x7fffffff ? 0u : (unsigned)idx;
+    if (advance) advance[0] += 1u;
+  }
 }
 
 // p[0] += 1 (the decode position, advanced inside the captured step).
 extern "C" __global__ void fl_increment_u32(unsigned* p) { pdl_prologue(); p[0] += 1u; }
 
 #include "decode_layer.cuh"
+#include "gemv_tma.cuh"
+

@@ -57,7 +57,7 @@ pub struct Policy {
     pub gemv_smem: bool,
     /// Prefill attention through the fused masked-softmax kernel (`FERROLM_CUDA_SOFTMAX=0`: off).
     pub masked_softmax: bool,
-    /// `FERROLM_CUDA_PDL=1`: programmatic dependent launch (see `launch_raw`).
+    /// Programmatic dependent launch (see `launch_raw`); `FERROLM_CUDA_PDL=0` turns it off.
     pub pdl: bool,
     /// `FERROLM_CUDA_LAYER=1`: a decode layer as one persistent kernel (`layer.rs`; measured
     /// slower than the five separate kernels so far, hence off by default).
@@ -71,7 +71,7 @@ pub fn policy() -> Policy {
         let kernels = !off("FERROLM_CUDA_KERNELS");
         let smem = std::env::var("FERROLM_CUDA_GEMV").is_ok_and(|v| v == "smem");
         let softmax = !off("FERROLM_CUDA_SOFTMAX");
-        let pdl = std::env::var("FERROLM_CUDA_PDL").is_ok_and(|v| v == "1");
+        let pdl = !off("FERROLM_CUDA_PDL");
         let gemv = kernels && !off("FERROLM_CUDA_GEMV");
         let layer_kernel = gemv && std::env::var("FERROLM_CUDA_LAYER").is_ok_and(|v| v == "1");
         Policy { kernels, gemv, gemv_smem: kernels && smem, masked_softmax: kernels && softmax, pdl, layer_kernel }

@@ -190,8 +190,10 @@ pub fn attend_decode(a: &DecodeAttention<'_>) -> Result<Option<Tensor>> {
     let counters = super::alloc_zeroed_u32(&dev, hkv)?;
     let out = alloc(&dev, (1, hq * d), a.q.dtype())?;
     let p = a.params;
+    // The instance for at most 4 query heads per kv head: less shared memory (see kernels.cu).
+    let g4 = if a.q.dtype() == DType::BF16 && hq / hkv <= 4 { "_g4" } else { "" };
     launch!(
-        dev, &format!("fl_attn_{sfx}_d{d}"), (hkv as u32, nsplit as u32, 1), 128,
+        dev, &format!("fl_attn_{sfx}_d{d}{g4}"), (hkv as u32, nsplit as u32, 1), 128,
         ptr(a.q)?, ptr(a.k)?, ptr(a.v)?, cp, sp, pp, ph, (hq / hkv) as i32, ks[0] as i64,
         a.key_start as i32, s as i32, p.window.unwrap_or(0) as i32, p.scale,
         p.softcap.unwrap_or(0.0), inter as i32, ptr(&part_m)?, ptr(&part_l)?, ptr(&part_acc)?,
@@ -252,8 +254,41 @@ pub enum GemvInput<'a> {
 }
 
 /// y = W·x' (+ residual) for one bf16 row, x' prepared from the input as `input` says, in one
-/// kernel (`fl_gemv_fused_bf16`). `w [N, K]` bf16; returns `[1, N]`.
+/// kernel (`fl_gemv_tma2_bf16` or `fl_gemv_fused_bf16`). `w [N, K]` bf16; returns `[1, N]`.
 pub fn gemv_fused(input: GemvInput<'_>, w: &Tensor, residual: Option<&Tensor>) -> Result<Option<Tensor>> {
+    gemv_row(input, w, residual, RowOut::Bf16)
+}
+
+/// silu(gate·x') · (up·x') for one bf16 row, `w [2·I, K]` holding the gate rows then the up rows,
+/// in one kernel (the bulk-copy product's SwiGLU epilogue): `[1, I]`, bit-identical to the
+/// `[1, 2·I]` product through `gemv_fused` followed by silu·up. None where that kernel is not
+/// the one in use.
+pub fn gemv_swiglu(input: GemvInput<'_>, w: &Tensor) -> Result<Option<Tensor>> {
+    if gemv_variant() != GemvVariant::Tma || w.dims2().map_or(true, |(n, _)| n % 2 != 0) {
+        return Ok(None);
+    }
+    gemv_row(input, w, None, RowOut::SwiGlu)
+}
+
+/// An output head's logits for one bf16 row: W·x' as f32 `[1, N]` holding the bf16-rounded
+/// values (what the bf16 product followed by a conversion gives), in one kernel. None where the
+/// bulk-copy product is not the one in use.
+pub fn gemv_logits(input: GemvInput<'_>, w: &Tensor) -> Result<Option<Tensor>> {
+    if gemv_variant() != GemvVariant::Tma {
+        return Ok(None);
+    }
+    gemv_row(input, w, None, RowOut::F32)
+}
+
+/// What a product row writes (GEMV_OUT_* in gemv_tma.cuh).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum RowOut {
+    Bf16 = 0,
+    SwiGlu = 1,
+    F32 = 2,
+}
+
+fn gemv_row(input: GemvInput<'_>, w: &Tensor, residual: Option<&Tensor>, mode: RowOut) -> Result<Option<Tensor>> {
     let (x, x2, nw, eps, pro) = match input {
         GemvInput::Plain(x) => (x, None, None, 0.0, 0),
         GemvInput::Normed(x, nw, eps) => (x, None, Some(nw), eps, 1),
@@ -265,12 +300,13 @@ pub fn gemv_fused(input: GemvInput<'_>, w: &Tensor, residual: Option<&Tensor>) -
     let Some((dev, _)) = on(x) else { return Ok(None) };
     let Ok((n, k)) = w.dims2() else { return Ok(None) };
     let row = |t: &Tensor| t.dtype() == DType::BF16 && t.is_contiguous() && t.elem_count() == k && cuda_device(t).is_some();
+    let tma = gemv_variant() == GemvVariant::Tma;
     let ok = row(x)
         && x2.is_none_or(row)
         && nw.is_none_or(|t| f32_on_device(t) && t.elem_count() == k)
         && residual.is_none_or(|r| r.dtype() == DType::BF16 && r.is_contiguous() && r.elem_count() == n)
         && k % 8 == 0
-        && k * 2 <= 48 * 1024;
+        && k * 2 <= if tma { TMA_MAX_SMEM - TMA_STAGE_BYTES } else { 48 * 1024 };
     if !ok {
         return Ok(None);
     }
@@ -279,28 +315,97 @@ pub fn gemv_fused(input: GemvInput<'_>, w: &Tensor, residual: Option<&Tensor>) -
     if [xp, x2p, nwp, wp].iter().any(|p| p % 16 != 0) {
         return Ok(None);
     }
-    let out = alloc(&dev, (1, n), DType::BF16)?;
-    super::with_smem((k * 2) as u32);
-    launch!(
-        dev, gemv_variant(), (n.div_ceil(8) as u32, 1, 1), 256,
-        xp, x2p, nwp, eps, pro as i32, wp, rp, ptr(&out)?, n as i32, k as i32
-    );
+    let out = match mode {
+        RowOut::Bf16 => alloc(&dev, (1, n), DType::BF16)?,
+        RowOut::SwiGlu => alloc(&dev, (1, n / 2), DType::BF16)?,
+        RowOut::F32 => alloc(&dev, (1, n), DType::F32)?,
+    };
+    let (n32, k32, op) = (n as i32, k as i32, ptr(&out)?);
+    match gemv_variant() {
+        GemvVariant::Tma => {
+            let smem = TMA_STAGE_BYTES + k * 2;
+            let grid = tma_grid(&dev, n, smem)?;
+            super::with_smem(smem as u32);
+            launch!(dev, TMA_KERNEL, (grid, 1, 1), 256, xp, x2p, nwp, eps, pro as i32, wp, rp, op, n32, k32, mode as i32);
+        }
+        v => {
+            let name = if v == GemvVariant::Ldg { "fl_gemv_fused_ldg_bf16" } else { "fl_gemv_fused_bf16" };
+            super::with_smem((k * 2) as u32);
+            launch!(dev, name, (n.div_ceil(8) as u32, 1, 1), 256, xp, x2p, nwp, eps, pro as i32, wp, rp, op, n32, k32);
+        }
+    }
     Ok(Some(out))
 }
 
-/// The fused matrix-vector kernel's variant: `FERROLM_CUDA_GEMV_VARIANT=ldg` reads weights
-/// through the read-only path instead of with the streaming hint (see kernels.cu).
-fn gemv_variant() -> &'static str {
-    static V: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
-    V.get_or_init(|| match std::env::var("FERROLM_CUDA_GEMV_VARIANT").as_deref() {
-        Ok("ldg") => "fl_gemv_fused_ldg_bf16",
-        _ => "fl_gemv_fused_bf16",
+/// Which fused matrix-vector kernel runs (`FERROLM_CUDA_GEMV_VARIANT`, see kernels.cu and
+/// gemv_tma.cuh): by default the one that streams the weights into shared memory with bulk
+/// copies over a few blocks per SM; `streaming` reads them into registers with the streaming
+/// hint, one short block per 8 rows (the default until 2026-12-04); `ldg` the same through the
+/// read-only path. All three give bit-identical results.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum GemvVariant {
+    Streaming,
+    Ldg,
+    Tma,
+}
+fn gemv_variant() -> GemvVariant {
+    static V: std::sync::OnceLock<GemvVariant> = std::sync::OnceLock::new();
+    *V.get_or_init(|| match std::env::var("FERROLM_CUDA_GEMV_VARIANT").as_deref() {
+        Ok("ldg") => GemvVariant::Ldg,
+        Ok("streaming") => GemvVariant::Streaming,
+        _ => GemvVariant::Tma,
     })
 }
 
-/// dst[0] = argmax of the f32 `logits`/// dst[0] = argmax of the f32 `logits` (first index on ties). Returns false when not applicable.
+/// The bulk-copy product: its kernel, the bytes of its weight stages (2 stages of 8 rows' 4 KB
+/// chunks), and the dynamic shared memory it may ask for (Hopper's 227 KiB per block, less the
+/// kernel's static shared memory, rounded down).
+const TMA_KERNEL: &str = "fl_gemv_tma2_bf16";
+const TMA_STAGE_BYTES: usize = 2 * 8 * 4096;
+const TMA_MAX_SMEM: usize = 224 * 1024;
+/// Shared memory of one SM on Hopper, and what the driver reserves per block.
+const SM_SMEM: usize = 228 * 1024;
+const SMEM_PER_BLOCK_RESERVED: usize = 1024;
+
+/// Grid of the bulk-copy product: as many blocks per SM as fit, at most 3 (the best measured on
+/// the 1B shape) or `FERROLM_CUDA_GEMV_BLOCKS_PER_SM`, never more than one block per 8 rows.
+/// Sets the kernel's shared-memory limit once per device.
+fn tma_grid(dev: &candle_core::cuda_backend::CudaDevice, n: usize, smem: usize) -> Result<u32> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    use candle_core::cuda_backend::WrapErr;
+    static READY: std::sync::Mutex<Vec<(usize, i32)>> = std::sync::Mutex::new(Vec::new());
+    let ordinal = dev.cuda_stream().context().ordinal();
+    let mut ready = READY.lock().unwrap_or_else(|e| e.into_inner());
+    let sms = match ready.iter().find(|(o, _)| *o == ordinal) {
+        Some(&(_, sms)) => sms,
+        None => {
+            let func = dev.get_or_load_custom_func(TMA_KERNEL, super::MODULE, super::PTX)?;
+            let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            func.set_attribute(attr, TMA_MAX_SMEM as i32).map_err(|e| candle_core::Error::Msg(format!("{TMA_KERNEL}: {e:?}")))?;
+            let ctx = dev.cuda_stream().context().clone();
+            let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).w()?;
+            ready.push((ordinal, sms));
+            sms
+        }
+    };
+    static MOST: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let most = *MOST.get_or_init(|| {
+        std::env::var("FERROLM_CUDA_GEMV_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).filter(|&b| b > 0).unwrap_or(3)
+    });
+    let per_sm = (SM_SMEM / (smem + SMEM_PER_BLOCK_RESERVED)).clamp(1, most);
+    Ok((per_sm * sms.max(1) as usize).min(n.div_ceil(8)) as u32)
+}
+
+/// dst[0] = argmax of the f32 `logits` (first index on ties). Returns false when not applicable.
 pub fn argmax_into(logits: &Tensor, dst: &Tensor) -> Result<bool> {
-    if !policy().kernels || !f32_on_device(logits) || dst.dtype() != DType::U32 || cuda_device(dst).is_none() {
+    argmax_advance(logits, dst, None)
+}
+
+/// [`argmax_into`], and `advance[0] += 1` in the same final pass when given (a one-element u32
+/// device tensor: the position of a captured decode step).
+pub fn argmax_advance(logits: &Tensor, dst: &Tensor, advance: Option<&Tensor>) -> Result<bool> {
+    let u32_word = |t: &Tensor| t.dtype() == DType::U32 && t.elem_count() == 1 && cuda_device(t).is_some();
+    if !policy().kernels || !f32_on_device(logits) || !u32_word(dst) || !advance.is_none_or(u32_word) {
         return Ok(false);
     }
     let dev = cuda_device(logits).unwrap();
@@ -309,8 +414,9 @@ pub fn argmax_into(logits: &Tensor, dst: &Tensor) -> Result<bool> {
     let per = n.div_ceil(parts);
     let best = alloc(&dev, parts, DType::F32)?;
     let index = alloc(&dev, parts, DType::U32)?;
+    let adv = advance.map_or(Ok(0u64), ptr)?;
     launch!(dev, "fl_argmax_partial_f32", (parts as u32, 1, 1), 256, ptr(logits)?, ptr(&best)?, ptr(&index)?, n as i32, per as i32);
-    launch!(dev, "fl_argmax_final", (1, 1, 1), 256, ptr(&best)?, ptr(&index)?, ptr(dst)?, parts as i32);
+    launch!(dev, "fl_argmax_final", (1, 1, 1), 256, ptr(&best)?, ptr(&index)?, ptr(dst)?, parts as i32, adv);
     Ok(true)
 }
 

@@ -116,10 +116,17 @@ fn check_gemv_fused(dev: &Device, n: usize, k: usize) -> Result<Vec<Check>> {
     let want = product(&candle_nn::ops::rms_norm(&f32(&x)?, &nw, 1e-5)?)?;
     let swiglu = need(ops::gemv_fused(GemvInput::SiluMul(&x, &u), &w, Some(&r))?, "gemv_fused silu")?;
     let want_swiglu = (product(&(candle_nn::ops::silu(&f32(&x)?)? * f32(&u)?)?)? + f32(&r)?)?;
-    Ok(vec![
+    let mut checks = vec![
         Check { name: format!("gemv fused rmsnorm {n}x{k}"), error: rel(&normed, &want)?, bound: 1e-2 },
         Check { name: format!("gemv fused silu*mul + residual {n}x{k}"), error: rel(&swiglu, &want_swiglu)?, bound: 1e-2 },
-    ])
+    ];
+    // The SwiGLU epilogue (w as [gate; up]) against the product then silu·up, exactly.
+    if let Some(act) = ops::gemv_swiglu(GemvInput::Normed(&x, &nw, 1e-5), &w)? {
+        let (g, u) = (normed.narrow(1, 0, n / 2)?.contiguous()?, normed.narrow(1, n / 2, n / 2)?.contiguous()?);
+        let want_act = need(ops::silu_mul(&g, &u)?, "silu_mul")?;
+        checks.push(Check { name: format!("gemv swiglu epilogue {n}x{k} (exact)"), error: rel(&act, &want_act)?, bound: 0.0 });
+    }
+    Ok(checks)
 }
 
 /// Decode attention (host position, over a narrowed view) against the reference composition,

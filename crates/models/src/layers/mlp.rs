@@ -36,6 +36,15 @@ impl GatedMlp {
     /// fused into the gate|up product and the activation and residual add into the down product
     /// where the backend can.
     pub fn forward_row(&self, x: &Tensor, norm: &RmsNorm) -> Result<Tensor> {
+        // One kernel for gate|up and the activation where the backend has it: the down product
+        // then only copies its input.
+        if let (Activation::Silu, Some((gate_up, [g, u]))) = (self.activation, self.gate_up.stacked()) {
+            if g == u {
+                if let Some(act) = gate_up.forward_row_swiglu(RowInput::Normed(x, norm))? {
+                    return self.down.forward_row(RowInput::Plain(&act), Some(x));
+                }
+            }
+        }
         let [gate, up]: [Tensor; 2] = self
             .gate_up
             .forward_row(RowInput::Normed(x, norm))?

@@ -2,7 +2,7 @@
 # Batch-1 graph decode tok/s of ferrolm under several kernel settings, on the GPU machine:
 #   run(command="bash scripts/gpu/decode_variants.sh MODEL ...", carry=["gpu-carry"])
 # VARIANTS: space-separated variants, each a comma-separated list of env assignments ("-" =
-# defaults), e.g. VARIANTS="- FERROLM_CUDA_PDL=1 FERROLM_CUDA_PDL=1,FERROLM_CUDA_GEMV_VARIANT=tma".
+# defaults), e.g. VARIANTS="- FERROLM_CUDA_PDL=0 FERROLM_CUDA_PDL=0,FERROLM_CUDA_GEMV_VARIANT=streaming".
 # Prints each variant's decode tok/s and whether it decoded the same tokens as the first.
 # Makes the models first (scripts/gpu/make_models.py) unless they exist.
 set -uo pipefail

@@ -77,6 +77,7 @@ static int g_tma_ns = 0, g_tma_bps = 1;  // see `gemv`
 static bool g_swiglu = false;            // TMA gate|up with the SwiGLU epilogue, plain down
 static int g_qkv_bps = 0;                // > 0: the QKV product's own TMA blocks per SM
 static bool g_no_merge = false;          // timing only: attention without its split merge
+static bool g_fit_stages = false;        // TMA blocks get only the stage buffers their rows need
 template <typename... P, typename... A>
 void launch(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, A... args) {
   cudaLaunchConfig_t cfg = {};
@@ -179,7 +180,9 @@ int main(int argc, char** argv) {
     if (g_tma_ns > 0) {
       int blocks = std::min((n + 7) / 8, g_tma_bps * sms);
       auto f = g_tma_ns == 2 ? fl_gemv_tma2_bf16 : fl_gemv_tma3_bf16;
-      launch(f, blocks, 256, (size_t)g_tma_ns * 8 * GEMV_BATCH * 16 + k * 2, st, a, a2, nw, eps, pro, w, res, out, n, k, 0);
+      int stages = g_tma_ns;
+      if (g_fit_stages) stages = std::min(stages, ((n + blocks - 1) / blocks + 7) / 8 * ((k / 8 + GEMV_BATCH - 1) / GEMV_BATCH));
+      launch(f, blocks, 256, (size_t)stages * 8 * GEMV_BATCH * 16 + k * 2, st, a, a2, nw, eps, pro, w, res, out, n, k, 0);
     } else {
       launch(fl_gemv_fused_bf16, (n + 7) / 8, 256, k * 2, st, a, a2, nw, eps, pro, w, res, out, n, k);
     }
@@ -333,6 +336,11 @@ int main(int argc, char** argv) {
                           g_qkv_bps = 0;
                         }});
   }
+  variants.push_back({variant_name(code(2, 3, 1, 1)) + ", stage buffers fitted", [&](cudaStream_t st) {
+                        g_fit_stages = true;
+                        step(st, code(2, 3, 1, 1));
+                        g_fit_stages = false;
+                      }});
   variants.push_back({variant_name(code(2, 3, 1, 1)) + ", attention without merge (timing only)", [&](cudaStream_t st) {
                         g_no_merge = true;
                         step(st, code(2, 3, 1, 1));

@@ -35,6 +35,6 @@ PY
     FERROLM_CUDA_PROFILE=1 "$W/bin/ferrolm" "${args[@]}" 2>&1 | grep -o 'graph nodes.*\|"decode_tps":[0-9.]*' | sort -u
     "$W/bin/ferrolm" "${args[@]/2048/16}" | grep -o '"decode_tps":[0-9.]*'
     FERROLM_CUDA_ARENA=0 "$W/bin/ferrolm" "${args[@]}" | grep -o '"decode_tps":[0-9.]*' | sed 's/^/arena off: /'
-    FERROLM_CUDA_PDL=1 "$W/bin/ferrolm" "${args[@]}" | grep -o '"decode_tps":[0-9.]*\|"prefill_tps":[0-9.]*' | sed 's/^/pdl on: /'
+    FERROLM_CUDA_PDL=0 "$W/bin/ferrolm" "${args[@]}" | grep -o '"decode_tps":[0-9.]*\|"prefill_tps":[0-9.]*' | sed 's/^/pdl off: /'
   fi
 done

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# A short GPU check for when device time is scarce (~2 minutes): kernel self-checks, then batch-1
-# decode (graph, 3 runs) and prefill on the 1B and 8B shapes with graph = eager, the same with
-# the one-kernel decode layer (FERROLM_CUDA_LAYER=1), and, when the
+# A short GPU check for when device time is scarce (~3 minutes): kernel self-checks, then batch-1
+# decode (graph, 3 runs) and prefill on the 1B and 8B shapes with graph = eager, the previous
+# defaults' products beside the current ones (same tokens), the same with the one-kernel decode
+# layer (FERROLM_CUDA_LAYER=1), and, when the
 # carried binary was built with NCCL=1, the NCCL reducer at world 1 (scripts/gpu/nccl_check.sh).
 #   run(command="bash scripts/gpu/quick_check.sh", carry=["gpu-carry"])
 set -uo pipefail
@@ -18,6 +19,15 @@ for m in llama-3.2-1b llama-3.1-8b; do
   e=$(FERROLM_CUDA_GRAPH=0 "$W/bin/ferrolm" "${a[@]}" --runs 1)
   same=$([ "$(echo "$g" | field decoded_ids)" = "$(echo "$e" | field decoded_ids)" ] && echo yes || echo NO)
   echo "$m graph $(echo "$g" | field decode_tps) $(echo "$g" | field prefill_tps) eager $(echo "$e" | field decode_tps) graph=eager $same"
+done
+# The register-fed products without programmatic dependent launch (the defaults before
+# 2026-12-04): the same tokens (every product variant is bit-identical), and its speed beside.
+for m in llama-3.2-1b llama-3.1-8b; do
+  a=(bench --model "$W/models/$m" --device cuda --prompt-tokens 2048 --decode-tokens 128 --json --runs 3)
+  base=$("$W/bin/ferrolm" "${a[@]}")
+  old=$(FERROLM_CUDA_GEMV_VARIANT=streaming FERROLM_CUDA_PDL=0 "$W/bin/ferrolm" "${a[@]}")
+  same=$([ "$(echo "$old" | field decoded_ids)" = "$(echo "$base" | field decoded_ids)" ] && echo yes || echo NO)
+  echo "$m default $(echo "$base" | field decode_tps), streaming products without PDL $(echo "$old" | field decode_tps), same tokens: $same"
 done
 # The one-kernel decode layer (FERROLM_CUDA_LAYER=1, off by default): graph and eager decode the
 # same tokens as the separate kernels (it is bit-identical to them).

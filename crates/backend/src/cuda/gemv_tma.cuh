@@ -67,9 +67,9 @@ __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float e
   __shared__ __align__(8) unsigned long long full[NS];
   constexpr int ROWS = 8;  // warps per block: one row each per round
   __shared__ float up_sums[2][ROWS / 2];  // pair mode: each round's up products (double-buffered)
-  uint4* slots = tma_smem;                        // [NS][ROWS][GEMV_BATCH]
-  uint4* xs = tma_smem + NS * ROWS * GEMV_BATCH;  // [K/8]
   int nv = K / 8, nb = (nv + GEMV_BATCH - 1) / GEMV_BATCH;
+  uint4* xs = tma_smem;          // [K/8]
+  uint4* slots = tma_smem + nv;  // [NS][ROWS][GEMV_BATCH] (a block with fewer stages uses fewer)
   // The block's rows [r0, r1): pair mode splits whole pairs (rows counted as gate, up, gate, ...).
   int units = pair ? N / 2 : N, per = pair ? 2 : 1;
   int r0 = per * (int)((long long)units * blockIdx.x / gridDim.x);
@@ -141,7 +141,8 @@ __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float e
   TL_END(1, N, K)
 }
 
-// Dynamic shared memory: NS * 8 * GEMV_BATCH * 16 bytes of stages, then K * 2 bytes of x'.
+// Dynamic shared memory: K * 2 bytes of x', then NS * 8 * GEMV_BATCH * 16 bytes of stage buffers
+// (only min(NS, its stages) of them are touched by a block).
 #define GEMV_TMA(NS)                                                                                                \
   extern "C" __global__ void __launch_bounds__(256) fl_gemv_tma##NS##_bf16(                                         \
       const bf16* x, const bf16* x2, const float* nw, float eps, int pro, const bf16* w, const bf16* res, void* y, \

@@ -78,8 +78,6 @@ static bool g_swiglu = false;            // TMA gate|up with the SwiGLU epilogue
 static int g_qkv_bps = 0;                // > 0: the QKV product's own TMA blocks per SM
 static bool g_no_merge = false;          // timing only: attention without its split merge
 static bool g_fit_stages = false;        // TMA blocks get only the stage buffers their rows need
-static int g_cluster_c = 0, g_cluster_groups = 0;  // > 0: fl_attn_cluster_* on clusters of C blocks
-static int g_launch_cluster = 0;                   // the next launch's cluster size (0: none)
 template <typename... P, typename... A>
 void launch(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, A... args) {
   cudaLaunchConfig_t cfg = {};
@@ -87,20 +85,11 @@ void launch(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = st;
-  cudaLaunchAttribute at[2];
-  int na = 0;
-  if (g_pdl) {
-    at[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[na++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (g_launch_cluster > 0) {
-    at[na].id = cudaLaunchAttributeClusterDimension;
-    at[na].val.clusterDim.x = g_launch_cluster;
-    at[na].val.clusterDim.y = 1;
-    at[na++].val.clusterDim.z = 1;
-  }
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = at;
-  cfg.numAttrs = na;
+  cfg.numAttrs = g_pdl ? 1 : 0;
   CK(cudaLaunchKernelEx(&cfg, k, (P)args...));
 }
 
@@ -172,10 +161,6 @@ int main(int argc, char** argv) {
   }
   long long* clocks = nullptr;  // set for one timed run below
 
-  auto cluster_kernel = D == 64 ? fl_attn_cluster_bf16_d64_g4 : fl_attn_cluster_bf16_d128_g4;
-  size_t attn4_smem = D == 64 ? sizeof(AttnShared<64, 4>) : sizeof(AttnShared<128, 4>);
-  auto cluster_smem = [&](int groups) { return groups * attn4_smem + (size_t)(groups + 1) * 4 * (D + 2) * 4; };
-  CK(cudaFuncSetAttribute(cluster_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
   auto attn_kernel = G <= 4 ? (D == 64 ? fl_attn_bf16_d64_g4 : fl_attn_bf16_d128_g4) : (D == 64 ? fl_attn_bf16_d64 : fl_attn_bf16_d128);
   bool g4 = G <= 4;
   auto layer_kernel = D == 64 ? (g4 ? fl_decode_layer_d64_g4 : fl_decode_layer_d64_g8)
@@ -202,25 +187,13 @@ int main(int argc, char** argv) {
       launch(fl_gemv_fused_bf16, (n + 7) / 8, 256, k * 2, st, a, a2, nw, eps, pro, w, res, out, n, k);
     }
   };
-  // The attention of one layer: fl_attn_*, or with g_cluster_c > 0 the cluster kernel.
-  auto attention = [&](cudaStream_t st, const Layer& y) {
-    if (g_cluster_c > 0) {
-      g_launch_cluster = g_cluster_c;
-      launch(cluster_kernel, dim3(g_cluster_c, HKV), g_cluster_groups * ATTN_THREADS, cluster_smem(g_cluster_groups), st,
-             (const bf16*)qkv, y.kc, y.vc, (const float*)cos_t, (const float*)sin_t, (const unsigned*)pos, 0u, G,
-             (long)cap * D, 0, cap, 0, scale, 0.f, 0, (const bf16*)(qkv + HQ * D), (const bf16*)(qkv + (HQ + HKV) * D), attn);
-      g_launch_cluster = 0;
-    } else {
-      launch(attn_kernel, dim3(HKV, nsplit), ATTN_THREADS, 0, st, qkv, y.kc, y.vc, cos_t, sin_t, pos, 0u, G, (long)cap * D, 0,
-             cap, 0, scale, 0.f, 0, pm, pl, pa, qkv + HQ * D, qkv + (HQ + HKV) * D, g_no_merge ? cnt_never : cnt, attn);
-    }
-  };
   auto separate = [&](cudaStream_t st, const Layer& y, const bf16* x, bf16* out) {
     int bps = g_tma_bps;
     if (g_qkv_bps > 0) g_tma_bps = g_qkv_bps;
     gemv(st, x, nullptr, y.n1, 1, y.wqkv, nullptr, qkv, NQKV, H);
     g_tma_bps = bps;
-    attention(st, y);
+    launch(attn_kernel, dim3(HKV, nsplit), ATTN_THREADS, 0, st, qkv, y.kc, y.vc, cos_t, sin_t, pos, 0u, G, (long)cap * D, 0,
+           cap, 0, scale, 0.f, 0, pm, pl, pa, qkv + HQ * D, qkv + (HQ + HKV) * D, g_no_merge ? cnt_never : cnt, attn);
     gemv(st, attn, nullptr, nullptr, 0, y.wo, x, xm, H, HQ * D);
     if (g_swiglu && g_tma_ns > 0) {
       int blocks = std::min(I / 4, g_tma_bps * sms);
@@ -303,31 +276,6 @@ int main(int argc, char** argv) {
   };
   printf("check: %d of %d outputs differ, %d of %d appended cache rows differ (x[0..3] %g %g %g / %g %g %g)\n", diff, H,
          kv_diff, L * HKV * 2, f(r1[0]), f(r1[1]), f(r1[2]), f(r2[0]), f(r2[1]), f(r2[2]));
-  // The cluster attention against fl_attn on layer 0 (same q, same cache): its merge adds in
-  // another order, so a few outputs may differ by a bf16 rounding.
-  const int cluster_configs[][2] = {{7, 5}, {8, 5}};
-  for (auto& cc : cluster_configs) {
-    if (cc[0] * cc[1] * ATTN_CHUNK < cap || cc[0] > CLUSTER_MAX) continue;
-    std::vector<uint16_t> a1(HQ * D), a2(HQ * D);
-    gemv(st, x0, nullptr, layers[0].n1, 1, layers[0].wqkv, nullptr, qkv, NQKV, H);
-    attention(st, layers[0]);
-    CK(cudaStreamSynchronize(st));
-    CK(cudaMemcpy(a1.data(), attn, HQ * D * 2, cudaMemcpyDeviceToHost));
-    g_cluster_c = cc[0], g_cluster_groups = cc[1];
-    attention(st, layers[0]);
-    g_cluster_c = 0;
-    CK(cudaStreamSynchronize(st));
-    CK(cudaMemcpy(a2.data(), attn, HQ * D * 2, cudaMemcpyDeviceToHost));
-    int nd = 0;
-    float md = 0.f, mx = 0.f;
-    for (int i = 0; i < HQ * D; i++) {
-      nd += a1[i] != a2[i];
-      md = std::max(md, fabsf(f(a1[i]) - f(a2[i])));
-      mx = std::max(mx, fabsf(f(a1[i])));
-    }
-    printf("check: cluster attention %d blocks x %d groups: %d of %d outputs differ, max |diff| %g (max |out| %g)\n", cc[0],
-           cc[1], nd, HQ * D, md, mx);
-  }
 
   // Programmatic dependent launch and the TMA products give the same outputs.
   // variant = 2 * (64 * swiglu + 16 * TMA stages + TMA blocks per SM) + PDL.
@@ -386,23 +334,6 @@ int main(int argc, char** argv) {
                           g_qkv_bps = qb;
                           step(st, code(2, 3, 1, 1));
                           g_qkv_bps = 0;
-                        }});
-  }
-  for (auto& cc : cluster_configs) {
-    if (cc[0] * cc[1] * ATTN_CHUNK < cap || cc[0] > CLUSTER_MAX) continue;
-    int c = cc[0], gr = cc[1];
-    char name[120];
-    snprintf(name, sizeof name, "%s, cluster attention %dx%d", variant_name(code(2, 3, 1, 1)).c_str(), c, gr);
-    variants.push_back({name, [&, c, gr](cudaStream_t st) {
-                          g_cluster_c = c, g_cluster_groups = gr;
-                          step(st, code(2, 3, 1, 1));
-                          g_cluster_c = 0;
-                        }});
-    snprintf(name, sizeof name, "cluster attention %dx%d only", c, gr);
-    variants.push_back({name, [&, c, gr](cudaStream_t st) {
-                          g_cluster_c = c, g_cluster_groups = gr;
-                          for (int l = 0; l < L; l++) attention(st, layers[l]);
-                          g_cluster_c = 0;
                         }});
   }
   variants.push_back({variant_name(code(2, 3, 1, 1)) + ", stage buffers fitted", [&](cudaStream_t st) {

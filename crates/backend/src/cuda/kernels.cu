@@ -321,20 +321,8 @@ template <> struct Vec8<float> {
   }
 };
 
-// Where a chunk's results go: query head g's max and sum at m[slot(g)], l[slot(g)] and its D
-// weighted values at acc[slot(g) * D ...]. The split merge's partial buffers in global memory
-// (slot = (h·G + g)·nsplit + split), or a block's shared memory (the cluster kernel).
-struct SplitOut {
-  float* m;
-  float* l;
-  float* acc;
-  size_t base;
-  int stride_g;
-  __device__ __forceinline__ size_t slot(int g) const { return base + (size_t)g * stride_g; }
-};
-
 // One block's chunk: keys [split*ATTN_CHUNK, +ATTN_CHUNK) of kv head h for its G query heads,
-// written as each head's max, sum and weighted values to `o`.
+// written as each head's max, sum and weighted values to the partial buffers.
 //
 // Order matters more than arithmetic here: the block's K and V loads go out first, before the
 // wait for the previous kernel (programmatic dependent launch) and before q is staged, since
@@ -347,8 +335,8 @@ struct SplitOut {
 template <typename T, int D, int MG, typename Wait>
 __device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const float* sin_t, long qpos, int G,
                            long head_stride, int key_start, int s_max, int window, float scale, float softcap,
-                           int interleaved, const T* k_new, const T* v_new, const SplitOut& o, int h, int split,
-                           const AttnGroup& grp, AttnShared<D, MG>& S,
+                           int interleaved, const T* k_new, const T* v_new, float* part_m, float* part_l,
+                           float* part_acc, int h, int split, int nsplit, const AttnGroup& grp, AttnShared<D, MG>& S,
                            Wait wait) {
   constexpr int V8 = D / 8;                 // 8-element vectors per row
   constexpr int HALF_V = V8 / 2;            // vectors per score thread
@@ -372,8 +360,9 @@ __device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const f
   if (first >= last) {
     wait();
     for (int g = grp.tid; g < G; g += ATTN_THREADS) {
-      o.m[o.slot(g)] = -INFINITY;
-      o.l[o.slot(g)] = 0.f;
+      size_t slot = (size_t)(h * G + g) * nsplit + split;
+      part_m[slot] = -INFINITY;
+      part_l[slot] = 0.f;
     }
     return;
   }
@@ -517,11 +506,11 @@ __device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const f
     float a = 0.f;
 #pragma unroll
     for (int r = 0; r < SLOTS; r++) a += pacc[r][g][d];
-    size_t slot = o.slot(g);
-    o.acc[slot * D + d] = a;
+    size_t slot = (size_t)(h * G + g) * nsplit + split;
+    part_acc[slot * D + d] = a;
     if (d == 0) {
-      o.m[slot] = sm[g];
-      o.l[slot] = sl[g];
+      part_m[slot] = sm[g];
+      part_l[slot] = sl[g];
     }
   }
 }
@@ -603,8 +592,7 @@ __device__ void attn_item(const T* q, T* kc, T* vc, const float* cos_t, const fl
                           unsigned* counters, T* out, int h, int split, int nsplit, const AttnGroup& grp,
                           AttnShared<D, MG>& S, Wait wait) {
   attn_chunk<T, D, MG>(q, kc, vc, cos_t, sin_t, qpos, G, head_stride, key_start, s_max, window, scale, softcap, interleaved,
-                   k_new, v_new, SplitOut{part_m, part_l, part_acc, (size_t)h * G * nsplit + split, nsplit}, h, split, grp,
-                   S, wait);
+                   k_new, v_new, part_m, part_l, part_acc, h, split, nsplit, grp, S, wait);
   __threadfence();
   grp.sync();
   if (grp.tid == 0) S.last = atomicAdd(&counters[h], 1u) == (unsigned)nsplit - 1;
@@ -1033,5 +1021,4 @@ extern "C" __global__ void fl_increment_u32(unsigned* p) { pdl_prologue(); p[0] 
 
 #include "decode_layer.cuh"
 #include "gemv_tma.cuh"
-#include "attn_cluster.cuh"
 

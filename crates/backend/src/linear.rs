@@ -232,22 +232,37 @@ impl Linear {
     /// kernel (the caller then runs the product and the activation separately).
     pub fn forward_row_swiglu(&self, input: RowInput<'_>) -> candle_core::Result<Option<Tensor>> {
         #[cfg(feature = "cuda")]
-        if let (Kernel::Dense(w), None) = (&self.kernel, &self.bias) {
-            return crate::cuda::ops::gemv_swiglu(input.on_cuda(), w);
+        return self.dense_row_kernel(input, crate::cuda::ops::gemv_swiglu);
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = input;
+            Ok(None)
         }
-        let _ = input;
-        Ok(None)
     }
 
     /// One decode row through an output head, as f32 logits `[1, out]` (the product's values
     /// in its own precision, converted), in one kernel where the backend has one; else None.
     pub fn forward_row_logits(&self, input: RowInput<'_>) -> candle_core::Result<Option<Tensor>> {
         #[cfg(feature = "cuda")]
-        if let (Kernel::Dense(w), None) = (&self.kernel, &self.bias) {
-            return crate::cuda::ops::gemv_logits(input.on_cuda(), w);
+        return self.dense_row_kernel(input, crate::cuda::ops::gemv_logits);
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = input;
+            Ok(None)
         }
-        let _ = input;
-        Ok(None)
+    }
+
+    /// `kernel` on this product's weights when they are dense on CUDA with no bias, else None.
+    #[cfg(feature = "cuda")]
+    fn dense_row_kernel(
+        &self,
+        input: RowInput<'_>,
+        kernel: fn(crate::cuda::ops::GemvInput<'_>, &Tensor) -> candle_core::Result<Option<Tensor>>,
+    ) -> candle_core::Result<Option<Tensor>> {
+        match (&self.kernel, &self.bias) {
+            (Kernel::Dense(w), None) => kernel(input.on_cuda(), w),
+            _ => Ok(None),
+        }
     }
 }
 

@@ -23,14 +23,7 @@
 #include <string>
 #include <vector>
 
-#define CK(x)                                                                        \
-  do {                                                                               \
-    cudaError_t e = (x);                                                             \
-    if (e != cudaSuccess) {                                                          \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-      exit(1);                                                                       \
-    }                                                                                \
-  } while (0)
+#include "check.cuh"
 
 __global__ void fill_bf16(bf16* p, size_t n, unsigned seed, float scale, float offset) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -78,19 +71,31 @@ static bool g_swiglu = false;            // TMA gate|up with the SwiGLU epilogue
 static int g_qkv_bps = 0;                // > 0: the QKV product's own TMA blocks per SM
 static bool g_no_merge = false;          // timing only: attention without its split merge
 static bool g_fit_stages = false;        // TMA blocks get only the stage buffers their rows need
+// A cooperative launch (all blocks resident: the decode-layer kernel's grid barriers) when coop.
 template <typename... P, typename... A>
-void launch(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, A... args) {
+void launch_ex(bool coop, void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, A... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = st;
-  cudaLaunchAttribute at[1];
-  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute at[2];
+  int n = 0;
+  if (g_pdl) {
+    at[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (coop) {
+    at[n].id = cudaLaunchAttributeCooperative;
+    at[n++].val.cooperative = 1;
+  }
   cfg.attrs = at;
-  cfg.numAttrs = g_pdl ? 1 : 0;
+  cfg.numAttrs = n;
   CK(cudaLaunchKernelEx(&cfg, k, (P)args...));
+}
+template <typename... P, typename... A>
+void launch(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, A... args) {
+  launch_ex(false, k, grid, block, smem, st, args...);
 }
 
 struct Layer {
@@ -210,17 +215,7 @@ int main(int argc, char** argv) {
     DecodeLayer a{x, xm, out, y.n1, y.n2, eps, H, y.wqkv, qkv, NQKV, y.kc, y.vc, (long)cap * D, cap, nsplit,
                   cos_t, sin_t, 0, pos, HQ, HKV, scale, 0, 0.f, pm, pl, pa, cnt, attn, y.wo, y.wgu, I, act, y.wdown,
                   bar, clocks};
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(sms);
-    cfg.blockDim = dim3(LAYER_THREADS);
-    cfg.dynamicSmemBytes = layer_smem;
-    cfg.stream = st;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeCooperative;
-    at[0].val.cooperative = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = coop ? 1 : 0;
-    CK(cudaLaunchKernelEx(&cfg, layer_kernel, a));
+    launch_ex(coop, layer_kernel, dim3(sms), dim3(LAYER_THREADS), layer_smem, st, a);
   };
   // L layers from x0; returns the final buffer. variant < 0: the decode-layer kernel; else the
   // separate kernels, variant = 2 * (16 * TMA stages + TMA blocks per SM; 0: fl_gemv_fused) + PDL.

@@ -13,6 +13,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/cuda/kernels.cu");
     println!("cargo:rerun-if-changed=src/cuda/decode_layer.cuh");
     println!("cargo:rerun-if-changed=src/cuda/gemv_tma.cuh");
+    println!("cargo:rerun-if-changed=src/cuda/flash_prefill.cuh");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("ferrolm_kernels.ptx");

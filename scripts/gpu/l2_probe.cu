@@ -2,7 +2,7 @@
 // which way of pulling works? Times fl_gemv_fused_bf16 on bf16 weights in a real shape after:
 // a flush of L2 (cold), a bulk (TMA) L2 prefetch of the first X MB, a per-line prefetch.global.L2
 // of it, and plain loads of it; each prefetch waited for before the product starts.
-//   l2_probe [N K X_MB]   (nvcc -O3 -std=c++17 -arch=sm_90 -cudart static, as build_layer_bench.sh)
+//   l2_probe [N K X_MB [tma]]   (tma: the engine's fl_gemv_tma2_bf16, 3 blocks per SM)   (nvcc -O3 -std=c++17 -arch=sm_90 -cudart static, as build_layer_bench.sh)
 // Measured on an H200 (2026-12-04, N 16384 K 2048 = 67 MB, X 16.8 / 41.9 MB): cold 24.7 us, bulk
 // prefetch 23.6, line prefetch 23.7, plain loads 22.1 / 21.3, the whole W read just before 21.9:
 // a product whose weights are largely in L2 is barely faster, so prefetching the next kernel's
@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "check.cuh"
@@ -49,6 +50,7 @@ int main(int argc, char** argv) {
   int N = 16384, K = 2048;
   double xmb = 16;
   if (argc >= 4) N = atoi(argv[1]), K = atoi(argv[2]), xmb = atof(argv[3]);
+  bool tma = argc >= 5 && std::string(argv[4]) == "tma";
   size_t wn = (size_t)N * K, wbytes = wn * 2, xb = std::min(wbytes, (size_t)(xmb * 1048576) & ~(size_t)15);
   size_t flush_n = (size_t)512 << 20;  // bytes
   bf16 *w, *x, *y;
@@ -72,8 +74,18 @@ int main(int argc, char** argv) {
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   CK(cudaEventCreate(&e2));
+  // The engine's bulk-copy product: 2 stages, as many blocks per SM as fit (3 on an H200).
+  int sms;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  size_t tma_smem = K * 2 + 2 * 8 * GEMV_BATCH * 16;
+  CK(cudaFuncSetAttribute(fl_gemv_tma2_bf16, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)tma_smem));
+  int tma_blocks = std::min(3 * sms, (N + 7) / 8);
   auto gemv = [&] {
-    fl_gemv_fused_bf16<<<(N + 7) / 8, 256, K * 2, st>>>(x, nullptr, nw, 1e-5f, 1, w, nullptr, y, N, K);
+    if (tma)
+      fl_gemv_tma2_bf16<<<tma_blocks, 256, tma_smem, st>>>(x, nullptr, nw, 1e-5f, 1, w, nullptr, y, N, K, GEMV_OUT_BF16, nullptr, nullptr,
+                                                          nullptr);
+    else
+      fl_gemv_fused_bf16<<<(N + 7) / 8, 256, K * 2, st>>>(x, nullptr, nw, 1e-5f, 1, w, nullptr, y, N, K);
   };
   auto flush = [&] { touch<<<1024, 512, 0, st>>>(fl, flush_n / 16, sink); };
   const char* names[] = {"cold (L2 flushed)", "bulk prefetch of X", "line prefetch of X", "plain loads of X",
@@ -107,7 +119,7 @@ int main(int argc, char** argv) {
     }
     std::sort(tg.begin(), tg.end());
     std::sort(tp.begin(), tp.end());
-    printf("N %d K %d (%.1f MB), X %.1f MB: %-26s gemv %7.2f us (%5.0f GB/s)  before it %7.2f us\n", N, K, wbytes / 1e6,
+    printf("%s N %d K %d (%.1f MB), X %.1f MB: %-26s gemv %7.2f us (%5.0f GB/s)  before it %7.2f us\n", tma ? "tma" : "fused", N, K, wbytes / 1e6,
            xb / 1e6, names[mode], tg[10], wbytes / (tg[10] * 1e3), tp[10]);
   }
   return 0;

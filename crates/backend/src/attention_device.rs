@@ -1,8 +1,8 @@
 //! Attention on non-CPU devices, and the static-shape decode step that CUDA graphs capture.
 //!
 //! [`attend`] (host positions): one query per sequence goes to the fused CUDA decode kernel;
-//! longer spans (prefill) to a candle composition whose causal/window mask is built on the device
-//! (no host mask of `T·S` floats per layer). [`append_and_attend`] (device position): writes one
+//! longer spans (prefill) to the flash prefill kernel, or else to a candle composition whose
+//! causal/window mask is built on the device (no host mask of `T·S` floats per layer). [`append_and_attend`] (device position): writes one
 //! token's key and value at the position held in a device tensor and attends over the whole
 //! cache buffer, masking keys after that position, so every step has the same shapes and
 //! pointers. Each has a generic candle composition, which is what runs on CPU (tests) and where
@@ -33,7 +33,12 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, pos: Positions, p: &AttentionP
         }
     }
     #[cfg(feature = "cuda")]
-    return crate::cuda::profile::region(q.device(), || format!("prefill attention t={}", q.dims()[0]), || attend_masked(q, k, v, pos, p));
+    return crate::cuda::profile::region(q.device(), || format!("prefill attention t={}", q.dims()[0]), || {
+        match crate::cuda::ops::flash_prefill(&q.contiguous()?, k, v, pos, p)? {
+            Some(out) => Ok(out),
+            None => attend_masked(q, k, v, pos, p),
+        }
+    });
     #[cfg(not(feature = "cuda"))]
     attend_masked(q, k, v, pos, p)
 }

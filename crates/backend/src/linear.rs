@@ -29,6 +29,16 @@ impl Weight {
         self.qtensor(&Device::Cpu)?.dequantize(&Device::Cpu)?.to_device(device)
     }
 
+    /// Whether the weight is stored dense (F32, F16 or BF16), not in quantized blocks.
+    pub fn is_dense(&self) -> bool {
+        is_dense(self.dtype)
+    }
+
+    /// A dense weight on `device` in its activation dtype (see [`Weight::is_dense`]).
+    pub fn to_dense(&self, device: &Device) -> candle_core::Result<Tensor> {
+        dense_stack(&[self], device)
+    }
+
     fn rows_cols(&self) -> Option<(usize, usize)> {
         match self.dims[..] {
             [rows, cols] => Some((rows, cols)),
@@ -250,6 +260,18 @@ impl Linear {
             let _ = input;
             Ok(None)
         }
+    }
+
+    /// [`Linear::forward_row_logits`] that also ends a greedy decode step in the same kernel:
+    /// `token[0]` ← the logits' argmax (first index on ties) and `pos[0] += 1` (one-element u32
+    /// tensors on the device). None where the backend has no such kernel (nothing was run).
+    pub fn forward_row_greedy(&self, input: RowInput<'_>, token: &Tensor, pos: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if let (Kernel::Dense(w), None) = (&self.kernel, &self.bias) {
+            return crate::cuda::ops::gemv_logits_argmax(input.on_cuda(), w, token, Some(pos));
+        }
+        let _ = (input, token, pos);
+        Ok(None)
     }
 
     /// `kernel` on this product's weights when they are dense on CUDA with no bias, else None.

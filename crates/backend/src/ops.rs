@@ -52,6 +52,21 @@ pub fn argmax_and_advance(logits: &Tensor, dst: &Tensor, pos: &Tensor) -> candle
     increment(pos)
 }
 
+/// Rows `ids` (u32 `[n]` on the table's device) of a dense `table [rows, hidden]`, each times
+/// `scale` when given: token embeddings (on CUDA one kernel into the step arena, so a captured
+/// step holds no allocation node).
+pub fn embed_rows(table: &Tensor, ids: &Tensor, scale: Option<f64>) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(x) = crate::cuda::ops::embed_rows(table, ids, scale)? {
+        return Ok(x);
+    }
+    let x = table.index_select(ids, 0)?;
+    match scale {
+        Some(s) => x * s,
+        None => Ok(x),
+    }
+}
+
 /// `p[0] += 1` in place for a one-element u32 tensor (the position of a captured decode step).
 pub fn increment(p: &Tensor) -> candle_core::Result<()> {
     #[cfg(feature = "cuda")]

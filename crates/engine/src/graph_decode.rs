@@ -11,7 +11,6 @@
 
 use candle_core::{DType, Device, Result, Tensor, TensorId};
 use ferrolm_backend::graph::{self, StepGraph, TokenReader};
-use ferrolm_backend::ops::argmax_and_advance;
 use ferrolm_kv::SeqCache;
 use ferrolm_models::CausalLm;
 
@@ -84,10 +83,10 @@ impl GraphDecoder {
         self.pos.slice_set(&Tensor::new(&[cache.offset() as u32], &self.device)?, 0, 0)?;
         let (token, pos) = (self.token.clone(), self.pos.clone());
         let mut step = || -> Result<()> {
-            let logits = model
-                .decode_static(&token, &pos, &kv)?
-                .ok_or_else(|| candle_core::Error::Msg("the model has no static decode step".into()))?;
-            argmax_and_advance(&logits, &token, &pos)
+            match model.decode_static_greedy(&token, &pos, &kv)? {
+                true => Ok(()),
+                false => candle_core::bail!("the model has no static decode step"),
+            }
         };
         // Step 1, eagerly: the warm-up a capture needs, and a real step.
         graph::warm_up(&self.device, &mut step)?;

@@ -197,7 +197,8 @@ impl Gemma3 {
             })
             .collect::<crate::Result<Vec<_>>>()?;
         let embed_w = src.weight("token_embd.weight")?;
-        let lm_head = match src.has("output.weight") {
+        let tied = !src.has("output.weight");
+        let lm_head = match !tied {
             true => Linear::head(&src.weight("output.weight")?, device)?,
             false => Linear::head(&embed_w, device)?,
         };
@@ -217,7 +218,7 @@ impl Gemma3 {
         let scale = (cfg.hidden_size as f64).sqrt();
         Ok(Self {
             info,
-            embed: Embedding::new(embed_w, Some(scale), device)?,
+            embed: Embedding::tied(embed_w, Some(scale), device, tied.then_some(&lm_head))?,
             norm: RmsNorm::new(
                 src.tensor("output_norm.weight", device)?,
                 cfg.rms_norm_eps as f32,

@@ -129,6 +129,7 @@ impl Llama {
             .collect::<crate::Result<Vec<_>>>()?;
         let embed_w = src.weight("token_embd.weight")?;
         let lm_head = output_head(src, &embed_w, device)?;
+        let tied = !src.has("output.weight");
         let weight_bytes = layers
             .iter()
             .map(|l| l.attn.weight_bytes() + l.mlp.weight_bytes())
@@ -137,7 +138,7 @@ impl Llama {
         let info = cfg.model_info(weight_bytes);
         Ok(Self {
             info,
-            embed: Embedding::new(embed_w, None, device)?,
+            embed: Embedding::tied(embed_w, None, device, tied.then_some(&lm_head))?,
             norm: RmsNorm::new(
                 src.tensor("output_norm.weight", device)?,
                 cfg.rms_norm_eps as f32,
@@ -265,6 +266,24 @@ impl CausalLm for Llama {
     }
 
     fn decode_static(&self, token: &Tensor, pos: &Tensor, kv: &[(Tensor, Tensor)]) -> Result<Option<Tensor>> {
+        let Some(x) = self.static_hidden(token, pos, kv)? else { return Ok(None) };
+        self.static_logits(&x).map(Some)
+    }
+
+    fn decode_static_greedy(&self, token: &Tensor, pos: &Tensor, kv: &[(Tensor, Tensor)]) -> Result<bool> {
+        let Some(x) = self.static_hidden(token, pos, kv)? else { return Ok(false) };
+        // The argmax and the position's advance inside the head's product where the backend
+        // can (its last block reduces the others' maxima): no argmax kernels in the step.
+        if self.lm_head.forward_row_greedy(RowInput::Normed(&x, &self.norm), token, pos)?.is_none() {
+            ferrolm_backend::ops::argmax_and_advance(&self.static_logits(&x)?, token, pos)?;
+        }
+        Ok(true)
+    }
+}
+
+impl Llama {
+    /// The layers of [`CausalLm::decode_static`]: the last hidden row before the final norm.
+    fn static_hidden(&self, token: &Tensor, pos: &Tensor, kv: &[(Tensor, Tensor)]) -> Result<Option<Tensor>> {
         if kv.len() != self.layers.len() || !self.has_static_decode() {
             return Ok(None);
         }
@@ -277,11 +296,15 @@ impl CausalLm for Llama {
             x = layer.attn.forward_static(&x, &layer.attn_norm, pos, ck, cv)?;
             x = layer.mlp.forward_row(&x, &layer.ffn_norm)?;
         }
-        // The final norm and the f32 logits inside the head's product where the backend can (its
-        // blocks each normalize the 2-8 KB row once); else separate operations.
-        if let Some(logits) = self.lm_head.forward_row_logits(RowInput::Normed(&x, &self.norm))? {
-            return Ok(Some(logits));
+        Ok(Some(x))
+    }
+
+    /// The final norm and the f32 logits of a static step's hidden row: inside the head's
+    /// product where the backend can (its blocks each normalize the 2-8 KB row once).
+    fn static_logits(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(logits) = self.lm_head.forward_row_logits(RowInput::Normed(x, &self.norm))? {
+            return Ok(logits);
         }
-        self.project_logits(&self.norm.forward(&x)?).map(Some)
+        self.project_logits(&self.norm.forward(x)?)
     }
 }

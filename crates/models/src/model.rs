@@ -48,4 +48,13 @@ pub trait CausalLm: Send + Sync {
         let _ = (token, pos, kv);
         Ok(None)
     }
+    /// A greedy [`CausalLm::decode_static`] step: the argmax of its logits into `token` (the
+    /// next step's input) and `pos` advanced by one, all on the device. `Ok(false)`: no static
+    /// step (nothing was run). Models may end the step in fewer kernels (Llama: inside the
+    /// head's product).
+    fn decode_static_greedy(&self, token: &Tensor, pos: &Tensor, kv: &[(Tensor, Tensor)]) -> candle_core::Result<bool> {
+        let Some(logits) = self.decode_static(token, pos, kv)? else { return Ok(false) };
+        ferrolm_backend::ops::argmax_and_advance(&logits, token, pos)?;
+        Ok(true)
+    }
 }

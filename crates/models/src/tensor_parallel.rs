@@ -108,12 +108,13 @@ impl TensorParallelLlama {
         let dev0 = &devices[0];
         let embed_w = src.weight("token_embd.weight")?;
         let lm_head = crate::llama::output_head(src, &embed_w, dev0)?;
+        let tied = !src.has("output.weight");
         let weight_bytes = ranks[0].layers.iter().map(|l| l.attn.weight_bytes() + l.mlp.weight_bytes()).sum::<usize>()
             + lm_head.weight_bytes();
         let info = cfg.model_info(weight_bytes);
         Ok(Self {
             info,
-            embed: Embedding::new(embed_w, None, dev0)?,
+            embed: Embedding::tied(embed_w, None, dev0, tied.then_some(&lm_head))?,
             norm: RmsNorm::new(src.tensor("output_norm.weight", dev0)?, cfg.rms_norm_eps as f32)?,
             lm_head,
             ranks,

@@ -24,7 +24,9 @@
 //     prologue 2 computes from the two products' bf16 outputs, so the down product that follows
 //     only copies its input. Warps then take gate row i and up row i side by side (warp 2j, 2j+1).
 //   GEMV_OUT_F32: y [N] f32 holding the bf16-rounded values (an output head's logits, without a
-//     separate conversion kernel).
+//     separate conversion kernel). With `am` (a zeroed u32 scratch of 1 + 2 * gridDim.x) it also
+//     writes the logits' argmax to am_dst[0] and adds 1 to am_advance[0] when that is non-null:
+//     the greedy end of a decode step in the head's own kernel (head_argmax below).
 #define GEMV_OUT_BF16 0
 #define GEMV_OUT_SWIGLU 1
 #define GEMV_OUT_F32 2
@@ -58,9 +60,42 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
 }
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
+// The argmax of a head's logits across its blocks (first index on ties, NaN never chosen, as
+// fl_argmax_*): each block's best of its rows goes to the scratch, and the last block to finish
+// (one acquire-release atomic, as attn_item) reduces them, writes the token, advances the
+// position and leaves the counter at zero for the next step. Every thread of the block calls it.
+__device__ void head_argmax(unsigned* am, unsigned* dst, unsigned* advance, float best, int idx) {
+  __shared__ bool last;
+  float* pv = reinterpret_cast<float*>(am + 1);
+  int* pi = reinterpret_cast<int*>(am + 1 + gridDim.x);
+  argmax_block(&best, &idx);
+  if (threadIdx.x == 0) {
+    pv[blockIdx.x] = best;
+    pi[blockIdx.x] = idx;
+    unsigned before;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(am) : "memory");
+    last = before == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  best = -INFINITY;
+  idx = 0x7fffffff;
+  for (int i = threadIdx.x; i < (int)gridDim.x; i += blockDim.x) {
+    float v = __ldcg(pv + i);
+    int j = __ldcg(pi + i);
+    if (argmax_better(v, j, best, idx)) best = v, idx = j;
+  }
+  argmax_block(&best, &idx);
+  if (threadIdx.x == 0) {
+    dst[0] = idx == 0x7fffffff ? 0u : (unsigned)idx;
+    if (advance) advance[0] += 1u;
+    am[0] = 0u;
+  }
+}
+
 template <int NS>
 __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float eps, int pro, const bf16* w, const bf16* res,
-                         void* out, int N, int K, int mode) {
+                         void* out, int N, int K, int mode, unsigned* am, unsigned* am_dst, unsigned* am_advance) {
   bool pair = mode == GEMV_OUT_SWIGLU;
   bf16* y = static_cast<bf16*>(out);
   TL_DECL
@@ -103,6 +138,8 @@ __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float e
   stage_input(x, x2, nw, pre, eps, pro, K, xs);  // ends with a barrier: the mbarriers are initialized
   TL_MARK(2)
   float acc = 0.f, gate = 0.f;
+  float best = -INFINITY;  // head_argmax: lane 0's best row of its warp
+  int best_row = 0x7fffffff;
   for (int s = 0; s < stages; s++) {
     int round = s / nb, c = s % nb, slot = s % NS;
     int n = r0 + round * ROWS + warp;
@@ -121,8 +158,9 @@ __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float e
         if (!pair) {
           if (lane == 0) {
             float v = round_bf16(res ? __bfloat162float(res[n]) + round_bf16(acc) : acc);
-            if (mode == GEMV_OUT_F32) static_cast<float*>(out)[n] = v;
-            else y[n] = __float2bfloat16(v);
+            if (mode != GEMV_OUT_F32) y[n] = __float2bfloat16(v);
+            else static_cast<float*>(out)[n] = v;
+            if (argmax_better(v, n, best, best_row)) best = v, best_row = n;
           }
         } else if (warp & 1) {
           if (lane == 0) up_sums[round & 1][warp >> 1] = acc;
@@ -139,6 +177,7 @@ __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float e
       y[n >> 1] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
     }
   }
+  if (am) head_argmax(am, am_dst, am_advance, best, best_row);
   TL_END(1, N, K)
 }
 
@@ -147,8 +186,8 @@ __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float e
 #define GEMV_TMA(NS)                                                                                                \
   extern "C" __global__ void __launch_bounds__(256) fl_gemv_tma##NS##_bf16(                                         \
       const bf16* x, const bf16* x2, const float* nw, float eps, int pro, const bf16* w, const bf16* res, void* y, \
-      int N, int K, int mode) {                                                                                     \
-    gemv_tma<NS>(x, x2, nw, eps, pro, w, res, y, N, K, mode);                                                       \
+      int N, int K, int mode, unsigned* am, unsigned* am_dst, unsigned* am_advance) {                               \
+    gemv_tma<NS>(x, x2, nw, eps, pro, w, res, y, N, K, mode, am, am_dst, am_advance);                               \
   }
 GEMV_TMA(2)  // the engine's (ops.rs); 3 stages measured no faster (2 blocks per SM, 1B and 8B shapes)
 GEMV_TMA(3)

@@ -593,14 +593,21 @@ __device__ void attn_item(const T* q, T* kc, T* vc, const float* cos_t, const fl
                           AttnShared<D, MG>& S, Wait wait) {
   attn_chunk<T, D, MG>(q, kc, vc, cos_t, sin_t, qpos, G, head_stride, key_start, s_max, window, scale, softcap, interleaved,
                    k_new, v_new, part_m, part_l, part_acc, h, split, nsplit, grp, S, wait);
-  __threadfence();
+  // One acquire-release atomic by the group's thread 0 after the barrier: release publishes
+  // every thread's partials (the barrier orders them before it; PTX release is cumulative),
+  // acquire makes the other items' partials visible to the merge (ordered for the other threads
+  // by the barriers below). Measured against a fence per thread around a relaxed atomic: 1B
+  // attention 9.3 against 10.1 us per layer, its layer 46.7 against 47.0 (layer_bench).
   grp.sync();
-  if (grp.tid == 0) S.last = atomicAdd(&counters[h], 1u) == (unsigned)nsplit - 1;
+  if (grp.tid == 0) {
+    unsigned before;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(counters + h) : "memory");
+    S.last = before == (unsigned)nsplit - 1;
+  }
   grp.sync();
   bool last = S.last;
   grp.sync();  // S.last is read by all before the group's next item may overwrite it
   if (!last) return;
-  __threadfence();
   attn_merge<T, D>(part_m, part_l, part_acc, out, h, G, nsplit, grp);
   if (grp.tid == 0) counters[h] = 0u;
 }
@@ -1016,9 +1023,33 @@ extern "C" __global__ void __launch_bounds__(256) fl_argmax_final(const float* p
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Token embeddings: out [n, hidden] = rows ids [n] of table [rows, hidden] (bf16, hidden % 8 ==
+// 0), one block per id, each times `scale` when it is nonzero (Gemma's sqrt(hidden), already
+// rounded to bf16: one rounding of the product, as candle's bf16 affine). The ids stay on the
+// device, so a captured step reads the token its previous step sampled; an id past the table
+// gives a zero row (ids from the host are checked there, device ids come from an argmax).
+extern "C" __global__ void fl_embed_rows_bf16(const bf16* table, const unsigned* ids, bf16* out, int rows, int hidden,
+                                              float scale) {
+  pdl_prologue();
+  unsigned id = ids[blockIdx.x];
+  const uint4* src = reinterpret_cast<const uint4*>(table + (size_t)id * hidden);
+  uint4* dst = reinterpret_cast<uint4*>(out + (size_t)blockIdx.x * hidden);
+  for (int i = threadIdx.x; i < hidden / 8; i += blockDim.x) {
+    uint4 v = id < (unsigned)rows ? src[i] : make_uint4(0u, 0u, 0u, 0u);
+    if (scale != 0.f) {
+      bf16* e = reinterpret_cast<bf16*>(&v);
+#pragma unroll
+      for (int k = 0; k < 8; k++) e[k] = __float2bfloat16(__bfloat162float(e[k]) * scale);
+    }
+    dst[i] = v;
+  }
+}
+
 // p[0] += 1 (the decode position, advanced inside the captured step).
 extern "C" __global__ void fl_increment_u32(unsigned* p) { pdl_prologue(); p[0] += 1u; }
 
 #include "decode_layer.cuh"
 #include "gemv_tma.cuh"
+#include "flash_prefill.cuh"
 

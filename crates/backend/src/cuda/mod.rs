@@ -62,6 +62,12 @@ pub struct Policy {
     /// `FERROLM_CUDA_LAYER=1`: a decode layer as one persistent kernel (`layer.rs`; measured
     /// slower than the five separate kernels so far, hence off by default).
     pub layer_kernel: bool,
+    /// The greedy argmax inside the head's product (`FERROLM_CUDA_HEAD_ARGMAX=0`: the separate
+    /// argmax kernels after it).
+    pub head_argmax: bool,
+    /// Prefill attention through the flash kernel (`FERROLM_CUDA_FLASH=0`: the masked-softmax
+    /// composition).
+    pub flash_prefill: bool,
 }
 
 pub fn policy() -> Policy {
@@ -74,7 +80,9 @@ pub fn policy() -> Policy {
         let pdl = !off("FERROLM_CUDA_PDL");
         let gemv = kernels && !off("FERROLM_CUDA_GEMV");
         let layer_kernel = gemv && std::env::var("FERROLM_CUDA_LAYER").is_ok_and(|v| v == "1");
-        Policy { kernels, gemv, gemv_smem: kernels && smem, masked_softmax: kernels && softmax, pdl, layer_kernel }
+        let head_argmax = gemv && !off("FERROLM_CUDA_HEAD_ARGMAX");
+        let flash_prefill = kernels && !off("FERROLM_CUDA_FLASH");
+        Policy { kernels, gemv, gemv_smem: kernels && smem, masked_softmax: kernels && softmax, pdl, layer_kernel, head_argmax, flash_prefill }
     })
 }
 

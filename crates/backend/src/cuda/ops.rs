@@ -256,7 +256,7 @@ pub enum GemvInput<'a> {
 /// y = W·x' (+ residual) for one bf16 row, x' prepared from the input as `input` says, in one
 /// kernel (`fl_gemv_tma2_bf16` or `fl_gemv_fused_bf16`). `w [N, K]` bf16; returns `[1, N]`.
 pub fn gemv_fused(input: GemvInput<'_>, w: &Tensor, residual: Option<&Tensor>) -> Result<Option<Tensor>> {
-    gemv_row(input, w, residual, RowOut::Bf16)
+    gemv_row(input, w, residual, RowOut::Bf16, None)
 }
 
 /// silu(gate·x') · (up·x') for one bf16 row, `w [2·I, K]` holding the gate rows then the up rows,
@@ -267,7 +267,7 @@ pub fn gemv_swiglu(input: GemvInput<'_>, w: &Tensor) -> Result<Option<Tensor>> {
     if gemv_variant() != GemvVariant::Tma || w.dims2().map_or(true, |(n, _)| n % 2 != 0) {
         return Ok(None);
     }
-    gemv_row(input, w, None, RowOut::SwiGlu)
+    gemv_row(input, w, None, RowOut::SwiGlu, None)
 }
 
 /// An output head's logits for one bf16 row: W·x' as f32 `[1, N]` holding the bf16-rounded
@@ -277,7 +277,19 @@ pub fn gemv_logits(input: GemvInput<'_>, w: &Tensor) -> Result<Option<Tensor>> {
     if gemv_variant() != GemvVariant::Tma {
         return Ok(None);
     }
-    gemv_row(input, w, None, RowOut::F32)
+    gemv_row(input, w, None, RowOut::F32, None)
+}
+
+/// [`gemv_logits`], and the greedy end of a decode step in the same kernel: `dst[0]` ← the
+/// logits' argmax (first index on ties, as [`argmax_into`]) and `advance[0] += 1` when given
+/// (one-element u32 device tensors). Its last block to finish reduces the blocks' maxima, so
+/// the step needs no argmax kernels. None where the bulk-copy product is not the one in use.
+pub fn gemv_logits_argmax(input: GemvInput<'_>, w: &Tensor, dst: &Tensor, advance: Option<&Tensor>) -> Result<Option<Tensor>> {
+    let u32_word = |t: &Tensor| t.dtype() == DType::U32 && t.elem_count() == 1 && cuda_device(t).is_some();
+    if !policy().head_argmax || gemv_variant() != GemvVariant::Tma || !u32_word(dst) || !advance.is_none_or(u32_word) {
+        return Ok(None);
+    }
+    gemv_row(input, w, None, RowOut::F32, Some((dst, advance)))
 }
 
 /// What a product row writes (GEMV_OUT_* in gemv_tma.cuh).
@@ -288,7 +300,10 @@ enum RowOut {
     F32 = 2,
 }
 
-fn gemv_row(input: GemvInput<'_>, w: &Tensor, residual: Option<&Tensor>, mode: RowOut) -> Result<Option<Tensor>> {
+/// The token and position a head's product also writes (see [`gemv_logits_argmax`]).
+type Greedy<'a> = Option<(&'a Tensor, Option<&'a Tensor>)>;
+
+fn gemv_row(input: GemvInput<'_>, w: &Tensor, residual: Option<&Tensor>, mode: RowOut, greedy: Greedy<'_>) -> Result<Option<Tensor>> {
     let (x, x2, nw, eps, pro) = match input {
         GemvInput::Plain(x) => (x, None, None, 0.0, 0),
         GemvInput::Normed(x, nw, eps) => (x, None, Some(nw), eps, 1),
@@ -328,9 +343,18 @@ fn gemv_row(input: GemvInput<'_>, w: &Tensor, residual: Option<&Tensor>, mode: R
             // blocks fit beside them early, was measured slower (1B: 48.1 vs 47.2 us per layer).
             let smem = TMA_STAGES * TMA_STAGE_BYTES + k * 2;
             let grid = tma_grid(&dev, n, smem)?;
+            // The argmax's scratch: a finished-block counter (left at zero), each block's best.
+            let (am, dst, adv) = match greedy {
+                Some((dst, adv)) => (Some(super::alloc_zeroed_u32(&dev, 1 + 2 * grid as usize)?), ptr(dst)?, opt(adv)?),
+                None => (None, 0, 0),
+            };
             super::with_smem(smem as u32);
-            launch!(dev, TMA_KERNEL, (grid, 1, 1), 256, xp, x2p, nwp, eps, pro as i32, wp, rp, op, n32, k32, mode as i32);
+            launch!(
+                dev, TMA_KERNEL, (grid, 1, 1), 256, xp, x2p, nwp, eps, pro as i32, wp, rp, op, n32, k32, mode as i32,
+                opt(am.as_ref())?, dst, adv
+            );
         }
+        _ if greedy.is_some() => return Ok(None),
         v => {
             let name = if v == GemvVariant::Ldg { "fl_gemv_fused_ldg_bf16" } else { "fl_gemv_fused_bf16" };
             super::with_smem((k * 2) as u32);
@@ -424,6 +448,24 @@ pub fn argmax_advance(logits: &Tensor, dst: &Tensor, advance: Option<&Tensor>) -
     Ok(true)
 }
 
+/// Rows `ids` (u32 `[n]` on the device) of a bf16 `table [rows, hidden]` as a new `[n, hidden]`
+/// tensor, each times `scale` (rounded to bf16 first, as candle's bf16 affine rounds it) when
+/// given: the token-embedding lookup of a step, from the step arena (no allocation node in a
+/// captured graph). Returns `None` when not applicable.
+pub fn embed_rows(table: &Tensor, ids: &Tensor, scale: Option<f64>) -> Result<Option<Tensor>> {
+    let Some(dev) = cuda_device(table) else { return Ok(None) };
+    let Ok((rows, hidden)) = table.dims2() else { return Ok(None) };
+    let n = ids.elem_count();
+    let ids_ok = ids.dtype() == DType::U32 && ids.rank() == 1 && ids.is_contiguous() && cuda_device(ids).is_some();
+    if table.dtype() != DType::BF16 || !table.is_contiguous() || hidden % 8 != 0 || ptr(table)? % 16 != 0 || !ids_ok || n == 0 {
+        return Ok(None);
+    }
+    let out = alloc(&dev, (n, hidden), DType::BF16)?;
+    let scale = scale.map_or(0.0, |s| half::bf16::from_f64(s).to_f32());
+    launch!(dev, "fl_embed_rows_bf16", (n as u32, 1, 1), 256, ptr(table)?, ptr(ids)?, ptr(&out)?, rows as i32, hidden as i32, scale);
+    Ok(Some(out))
+}
+
 /// p[0] += 1 for a one-element u32 device tensor. Returns false when not applicable.
 pub fn increment(p: &Tensor) -> Result<bool> {
     let Some(dev) = cuda_device(p) else { return Ok(false) };
@@ -432,6 +474,47 @@ pub fn increment(p: &Tensor) -> Result<bool> {
     }
     launch!(dev, "fl_increment_u32", (1, 1, 1), 32, ptr(p)?);
     Ok(true)
+}
+
+/// Prefill attention in one kernel (flash attention on tensor cores, `flash_prefill.cuh`): q
+/// `[T, Hq, D]` bf16 over k, v `[Hkv, S, D]` bf16 (token stride D, any head stride: the cache
+/// buffers' view, no copy) → `[T, Hq·D]`, causal from `pos`, windowed and soft-capped as `p`
+/// says. Never materializes the T×S scores. None when not applicable (or `FERROLM_CUDA_FLASH=0`).
+pub fn flash_prefill(q: &Tensor, k: &Tensor, v: &Tensor, pos: crate::attention::Positions, p: &crate::attention::AttentionParams) -> Result<Option<Tensor>> {
+    if !policy().flash_prefill {
+        return Ok(None);
+    }
+    let Some((dev, _)) = on(q) else { return Ok(None) };
+    let (Ok((t, hq, d)), Ok((hkv, s, dk))) = (q.dims3(), k.dims3()) else { return Ok(None) };
+    let bf16 = |x: &Tensor| x.dtype() == DType::BF16 && cuda_device(x).is_some();
+    let (ks, vs) = (k.stride(), v.stride());
+    let ok = bf16(q) && bf16(k) && bf16(v) && q.is_contiguous() && matches!(d, 64 | 128 | 256) && dk == d
+        && hkv > 0 && hq % hkv == 0 && v.dims() == k.dims() && ks[1] == d && ks[2] == 1 && ks == vs && t > 0 && s > 0;
+    if !ok || [ptr(q)?, ptr(k)?, ptr(v)?].iter().any(|a| a % 16 != 0) || (ks[0] * 2) % 16 != 0 {
+        return Ok(None);
+    }
+    let out = alloc(&dev, (t, hq * d), DType::BF16)?;
+    let name = format!("fl_flash_prefill_bf16_d{d}");
+    let smem = flash_smem(d);
+    let func = dev.get_or_load_custom_func(&name, super::MODULE, super::PTX)?;
+    let attr = candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+    func.set_attribute(attr, smem as i32).map_err(|e| candle_core::Error::Msg(format!("{name}: {e:?}")))?;
+    super::with_smem(smem as u32);
+    launch!(
+        dev, &name, (t.div_ceil(FLASH_ROWS) as u32, hq as u32, 1), 128,
+        ptr(q)?, ptr(k)?, ptr(v)?, ptr(&out)?, t as i32, hq as i32, (hq / hkv) as i32, ks[0] as i64, s as i32,
+        pos.query_start as u32, pos.key_start as u32, p.window.unwrap_or(0) as i32, p.scale, p.softcap.unwrap_or(0.0)
+    );
+    Ok(Some(out))
+}
+
+/// Queries per block of the flash prefill kernel (FP_ROWS), and its shared memory for head
+/// size d (`FlashShared<D>` in flash_prefill.cuh: padded q, k, v tiles; each warp's scores,
+/// probabilities, outputs, maxima and sums).
+const FLASH_ROWS: usize = 64;
+fn flash_smem(d: usize) -> usize {
+    let (warps, keys) = (4, 64);
+    2 * 3 * 64 * (d + 8) + 4 * warps * 16 * (keys + 4) + 2 * warps * 16 * (keys + 8) + 4 * warps * 16 * (d + 4) + 4 * 2 * warps * 16
 }
 
 /// Causal/windowed softmax of raw prefill scores `[.., T, S]` (rows ordered with the query

@@ -68,8 +68,16 @@ pub fn run(dev: &Device) -> Result<Vec<Check>> {
     for (hq, hkv, d, s, window) in [(32, 8, 128, 1500, None), (9, 3, 64, 300, None), (32, 8, 64, 700, Some(256)), (8, 8, 256, 40, None), (16, 2, 128, 5000, None)] {
         out.extend(check_attention(dev, hq, hkv, d, s, window)?);
     }
-    for (t, window, softcap) in [(37, None, None), (64, Some(20), None), (16, None, Some(30.0))] {
-        out.push(check_prefill_attention(dev, t, window, softcap)?);
+    let llama = (32, 8, 128);
+    for (heads, t, prefix, window, softcap) in [
+        ((8, 2, 64), 37, 50, None, None),
+        ((8, 2, 64), 64, 50, Some(20), None),
+        ((8, 2, 64), 16, 50, None, Some(30.0)),
+        (llama, 300, 0, None, None),
+        (llama, 200, 77, Some(64), None),
+        ((8, 4, 256), 129, 7, None, None),
+    ] {
+        out.push(check_prefill_attention(dev, heads, t, prefix, window, softcap)?);
     }
     let g = randn((1, 11008), bf, dev)?;
     let u = randn((1, 11008), bf, dev)?;
@@ -89,6 +97,9 @@ pub fn run(dev: &Device) -> Result<Vec<Check>> {
     }
     for (hidden, hq, hkv, d, inter, s) in [(512, 8, 2, 64, 1024, 300), (1024, 8, 4, 128, 2816, 1000), (576, 9, 3, 64, 1536, 40)] {
         out.extend(check_decode_layer(dev, hidden, (hq, hkv, d), inter, s)?);
+    }
+    for (n, k, tied) in [(128256, 2048, false), (3072, 2048, false), (1000, 24, true)] {
+        out.extend(check_head_argmax(dev, n, k, tied)?);
     }
     let logits = randn(128256, DType::F32, dev)?;
     let dst = Tensor::zeros(1, DType::U32, dev)?;
@@ -125,6 +136,35 @@ fn check_gemv_fused(dev: &Device, n: usize, k: usize) -> Result<Vec<Check>> {
         let (g, u) = (normed.narrow(1, 0, n / 2)?.contiguous()?, normed.narrow(1, n / 2, n / 2)?.contiguous()?);
         let want_act = need(ops::silu_mul(&g, &u)?, "silu_mul")?;
         checks.push(Check { name: format!("gemv swiglu epilogue {n}x{k} (exact)"), error: rel(&act, &want_act)?, bound: 0.0 });
+    }
+    Ok(checks)
+}
+
+/// The head's product with the greedy argmax in its kernel against its plain logits and the
+/// separate argmax, exactly, twice in a row (its block counter must be back at zero); `ties`:
+/// every row the same, so every logit ties and the first index must win.
+fn check_head_argmax(dev: &Device, n: usize, k: usize, ties: bool) -> Result<Vec<Check>> {
+    use ops::GemvInput;
+    let bf = DType::BF16;
+    let x = randn((1, k), bf, dev)?;
+    let nw = (randn(k, DType::F32, dev)? + 1.0)?;
+    let w = match ties {
+        true => randn((1, k), bf, dev)?.broadcast_as((n, k))?.contiguous()?,
+        false => (randn((n, k), bf, dev)? * 0.05)?.to_dtype(bf)?,
+    };
+    let input = GemvInput::Normed(&x, &nw, 1e-5);
+    let Some(logits) = ops::gemv_logits(input, &w)? else { return Ok(Vec::new()) };
+    let want = Tensor::zeros(1, DType::U32, dev)?;
+    crate::ops::argmax_into(&logits, &want)?;
+    let want = want.to_vec1::<u32>()?[0];
+    let (token, pos) = (Tensor::zeros(1, DType::U32, dev)?, Tensor::new(&[7u32], dev)?);
+    let mut checks = Vec::new();
+    for round in 1..=2u32 {
+        let fused = need(ops::gemv_logits_argmax(input, &w, &token, Some(&pos))?, "gemv_logits_argmax")?;
+        let (got, at) = (token.to_vec1::<u32>()?[0], pos.to_vec1::<u32>()?[0]);
+        let wrong = got != want || at != 7 + round || (ties && got != 0);
+        let name = format!("head argmax in the product {n}x{k}{}, step {round} (exact)", if ties { ", all tied" } else { "" });
+        checks.push(Check { name, error: wrong as u8 as f64 + rel(&fused, &logits)?, bound: 0.0 });
     }
     Ok(checks)
 }
@@ -176,18 +216,25 @@ fn check_attention(dev: &Device, hq: usize, hkv: usize, d: usize, s: usize, wind
 
 /// Prefill attention (several queries after a cached prefix; the fused masked-softmax kernel)
 /// against the reference composition in f32.
-fn check_prefill_attention(dev: &Device, t: usize, window: Option<usize>, softcap: Option<f32>) -> Result<Check> {
-    let (hq, hkv, d, prefix) = (8, 2, 64, 50);
+fn check_prefill_attention(
+    dev: &Device,
+    (hq, hkv, d): (usize, usize, usize),
+    t: usize,
+    prefix: usize,
+    window: Option<usize>,
+    softcap: Option<f32>,
+) -> Result<Check> {
     let s = prefix + t;
     let p = AttentionParams { scale: (d as f32).powf(-0.5), window, softcap };
     let q = randn((t, hq, d), DType::BF16, dev)?;
-    let k = randn((hkv, s, d), DType::BF16, dev)?;
-    let v = randn((hkv, s, d), DType::BF16, dev)?;
+    // Keys and values as the engine passes them: a view of longer cache buffers.
+    let k = randn((hkv, s + 40, d), DType::BF16, dev)?.narrow(1, 0, s)?;
+    let v = randn((hkv, s + 40, d), DType::BF16, dev)?.narrow(1, 0, s)?;
     let pos = Positions { query_start: prefix, key_start: 0 };
     let got = crate::attention::attend(&q, &k, &v, pos, &p)?;
     let f = |x: &Tensor| x.to_dtype(DType::F32);
     let want = attend_generic(&f(&q)?, &f(&k)?, &f(&v)?, pos, &p)?;
-    let name = format!("prefill attention t={t} window={window:?} softcap={softcap:?}");
+    let name = format!("prefill attention {hq}/{hkv}x{d} t={t} after {prefix} window={window:?} softcap={softcap:?}");
     Ok(Check { name, error: rel(&got, &want)?, bound: 3e-2 })
 }
 

@@ -1,13 +1,17 @@
 use candle_core::{Device, Result, Tensor};
 use ferrolm_backend::cpu::{formats::dequant_rows, Format};
-use ferrolm_backend::Weight;
+use ferrolm_backend::ops::embed_rows;
+use ferrolm_backend::{Linear, Weight};
 use std::sync::Arc;
 
 /// Token embeddings looked up from the (possibly quantized) table; only the rows needed are
 /// dequantized.
 pub struct Embedding {
     table: Weight,
-    /// Device copy for non-CPU devices or formats without a CPU kernel.
+    /// GPUs, dense tables: the rows in the activation dtype, looked up by ferrolm's kernel
+    /// (the tied output head's own tensor when there is one: no second copy).
+    device_rows: Option<Tensor>,
+    /// GPUs, quantized tables: candle's quantized lookup.
     device_table: Option<Arc<candle_core::quantized::QTensor>>,
     /// Gemma multiplies embeddings by sqrt(hidden).
     scale: Option<f64>,
@@ -15,22 +19,30 @@ pub struct Embedding {
 
 impl Embedding {
     pub fn new(table: Weight, scale: Option<f64>, device: &Device) -> Result<Self> {
-        let cpu_ok = device.is_cpu() && Format::from_ggml(table.dtype).is_some();
-        let device_table = if cpu_ok {
-            None
-        } else {
-            Some(Arc::new(table.qtensor(device)?))
-        };
-        Ok(Self {
-            table,
-            device_table,
-            scale,
-        })
+        Self::tied(table, scale, device, None)
+    }
+
+    /// As [`Embedding::new`], sharing the rows of `head` (the output head made from this same
+    /// table, when the model ties them) on GPUs where it holds them dense.
+    pub fn tied(table: Weight, scale: Option<f64>, device: &Device, head: Option<&Linear>) -> Result<Self> {
+        let (mut device_rows, mut device_table) = (None, None);
+        if !(device.is_cpu() && Format::from_ggml(table.dtype).is_some()) {
+            let shared = head.and_then(Linear::dense_weight).filter(|w| w.dims() == table.dims.as_slice());
+            match shared {
+                Some(w) => device_rows = Some(w.clone()),
+                None if table.is_dense() && !device.is_cpu() => device_rows = Some(table.to_dense(device)?),
+                None => device_table = Some(Arc::new(table.qtensor(device)?)),
+            }
+        }
+        Ok(Self { table, device_rows, device_table, scale })
     }
 
     /// ids already on `device` (a u32 tensor `[tokens]`) → `[tokens, hidden]`; on GPUs the
     /// lookup stays on the device (no host copy: capturable).
     pub fn forward_tensor(&self, ids: &Tensor, device: &Device) -> Result<Tensor> {
+        if let Some(rows) = &self.device_rows {
+            return embed_rows(rows, ids, self.scale);
+        }
         match &self.device_table {
             Some(q) => self.finish(q.embedding(ids)?, device),
             None => self.forward(&ids.to_vec1::<u32>()?, device),
@@ -42,6 +54,12 @@ impl Embedding {
         let [rows, hidden] = self.table.dims[..] else {
             candle_core::bail!("embedding table must be 2-D")
         };
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= rows) {
+            candle_core::bail!("token id {id} is outside the vocabulary ({rows})")
+        }
+        if let Some(table) = &self.device_rows {
+            return embed_rows(table, &Tensor::from_slice(ids, ids.len(), device)?, self.scale);
+        }
         let x = match &self.device_table {
             Some(q) => q.embedding(&Tensor::from_slice(ids, ids.len(), device)?)?,
             None => {

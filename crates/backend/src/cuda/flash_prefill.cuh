@@ -41,24 +41,31 @@ struct FlashShared {
   float m[FP_WARPS][16], l[FP_WARPS][16];
 };
 
-// Loads ROWS rows of D bf16 (row r at src + r·stride; rows at or past `valid` as zeros) into
-// dst, rows DP apart: every thread's loads in flight at once.
-template <int D, int DP, int ROWS>
-__device__ __forceinline__ void fp_load_rows(bf16 (*dst)[DP], const bf16* src, long stride, long valid) {
-  constexpr int V8 = D / 8, PER = ROWS * V8 / (32 * FP_WARPS);
+// ROWS rows of D bf16 (row r at src + r·stride; rows at or past `valid` as zeros) moved into
+// shared memory in two halves: fetch issues every load of the thread into registers at once,
+// store writes them (rows DP apart). Fetching the next key tile before computing on this one
+// keeps its memory latency off the critical path.
+template <int D, int ROWS>
+struct FpRows {
+  static constexpr int V8 = D / 8, PER = ROWS * V8 / (32 * FP_WARPS);
   static_assert(ROWS * V8 % (32 * FP_WARPS) == 0, "whole vectors per thread");
   uint4 buf[PER];
+  __device__ __forceinline__ void fetch(const bf16* src, long stride, long valid) {
 #pragma unroll
-  for (int u = 0; u < PER; u++) {
-    int i = threadIdx.x + u * 32 * FP_WARPS, r = i / V8, c = i % V8;
-    buf[u] = r < valid ? *reinterpret_cast<const uint4*>(src + r * stride + c * 8) : make_uint4(0u, 0u, 0u, 0u);
+    for (int u = 0; u < PER; u++) {
+      int i = threadIdx.x + u * 32 * FP_WARPS, r = i / V8, c = i % V8;
+      buf[u] = r < valid ? *reinterpret_cast<const uint4*>(src + r * stride + c * 8) : make_uint4(0u, 0u, 0u, 0u);
+    }
   }
+  template <int DP>
+  __device__ __forceinline__ void store(bf16 (*dst)[DP]) const {
 #pragma unroll
-  for (int u = 0; u < PER; u++) {
-    int i = threadIdx.x + u * 32 * FP_WARPS, r = i / V8, c = i % V8;
-    *reinterpret_cast<uint4*>(&dst[r][c * 8]) = buf[u];
+    for (int u = 0; u < PER; u++) {
+      int i = threadIdx.x + u * 32 * FP_WARPS, r = i / V8, c = i % V8;
+      *reinterpret_cast<uint4*>(&dst[r][c * 8]) = buf[u];
+    }
   }
-}
+};
 
 template <int D>
 __device__ void flash_prefill(const bf16* q, const bf16* k, const bf16* v, bf16* out, int T, int HQ, int G, long head_stride,
@@ -72,7 +79,11 @@ __device__ void flash_prefill(const bf16* q, const bf16* k, const bf16* v, bf16*
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const bf16* kh = k + (size_t)(h / G) * head_stride;
   const bf16* vh = v + (size_t)(h / G) * head_stride;
-  fp_load_rows<D, DP, FP_ROWS>(sh.q, q + ((size_t)t0 * HQ + h) * D, (long)HQ * D, T - t0);
+  {
+    FpRows<D, FP_ROWS> qr;
+    qr.fetch(q + ((size_t)t0 * HQ + h) * D, (long)HQ * D, T - t0);
+    qr.store(sh.q);
+  }
   for (int i = lane; i < 16 * D; i += 32) sh.o[warp][i / D][i % D] = 0.f;
   if (lane < 16) sh.m[warp][lane] = -INFINITY, sh.l[warp][lane] = 0.f;
 
@@ -82,15 +93,27 @@ __device__ void flash_prefill(const bf16* q, const bf16* k, const bf16* v, bf16*
   long j_end = min((long)S, q_last - (long)key_start + 1);
   long j_begin = window > 0 ? max(0L, q_first + 1 - window - (long)key_start) : 0L;
   j_begin -= j_begin % FP_KEYS;
-  // Lanes 2r and 2r+1 take query row r of the warp, columns half·32 .. half·32+31 of a tile.
+  // Lanes 2r and 2r+1 take query row r of the warp, alternate columns of a tile. The row sees
+  // keys [row_lo, row_hi] (empty past T).
   int r = lane >> 1, half = lane & 1;
   long qpos = (long)query_start + t0 + warp * 16 + r;
-  bool row_live = t0 + warp * 16 + r < T;
+  long row_hi = t0 + warp * 16 + r < T ? min((long)S - 1, qpos - (long)key_start) : -1;
+  long row_lo = window > 0 ? qpos + 1 - window - (long)key_start : 0;
+  // Key and value tiles: the next one is fetched into registers while this one is computed on
+  // (for D <= 128; D = 256 would hold 128 registers per thread for it).
+  constexpr bool AHEAD = D <= 128;
+  FpRows<D, FP_KEYS> kr, vr;
+  if (AHEAD && j_begin < j_end) kr.fetch(kh + j_begin * D, D, S - j_begin), vr.fetch(vh + j_begin * D, D, S - j_begin);
   for (long j0 = j_begin; j0 < j_end; j0 += FP_KEYS) {
     __syncthreads();  // every warp is done with the previous tile (and q is in place)
-    fp_load_rows<D, DP, FP_KEYS>(sh.k, kh + j0 * D, D, S - j0);
-    fp_load_rows<D, DP, FP_KEYS>(sh.v, vh + j0 * D, D, S - j0);
+    if (!AHEAD) kr.fetch(kh + j0 * D, D, S - j0), vr.fetch(vh + j0 * D, D, S - j0);
+    kr.store(sh.k);
+    vr.store(sh.v);
     __syncthreads();
+    long next = j0 + FP_KEYS;
+    if (AHEAD && next < j_end) kr.fetch(kh + next * D, D, S - next), vr.fetch(vh + next * D, D, S - next);
+    // This tile's visible columns of the lane's row: [lo, hi], in 32-bit arithmetic below.
+    int lo = (int)max(-1L, min((long)FP_KEYS, row_lo - j0)), hi = (int)max(-1L, min((long)FP_KEYS, row_hi - j0));
     {
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[FP_KEYS / 16];
 #pragma unroll
@@ -116,11 +139,9 @@ __device__ void flash_prefill(const bf16* q, const bf16* k, const bf16* v, bf16*
 #pragma unroll
       for (int c = 0; c < 32; c++) {
         int col = 2 * c + half;
-        long j = j0 + col, kpos = (long)key_start + j;
         float s = sh.s[warp][r][col] * scale;
         if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
-        bool visible = row_live && j < S && kpos <= qpos && (window <= 0 || kpos + window > qpos);
-        x[c] = visible ? s : -INFINITY;
+        x[c] = col >= lo && col <= hi ? s : -INFINITY;
         mx = fmaxf(mx, x[c]);
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));

@@ -84,6 +84,13 @@ __device__ void flash_prefill(const bf16* q, const bf16* k, const bf16* v, bf16*
     qr.fetch(q + ((size_t)t0 * HQ + h) * D, (long)HQ * D, T - t0);
     qr.store(sh.q);
   }
+  // The warp's output rows: in registers as accumulators for D <= 128 (loaded and stored
+  // through shared memory on every tile otherwise).
+  constexpr bool REG_O = D <= 128;
+  constexpr int OREG = REG_O ? D / 16 : 1;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> oreg[OREG];
+#pragma unroll
+  for (int n = 0; n < OREG; n++) wmma::fill_fragment(oreg[n], 0.f);
   for (int i = lane; i < 16 * D; i += 32) sh.o[warp][i / D][i % D] = 0.f;
   if (lane < 16) sh.m[warp][lane] = -INFINITY, sh.l[warp][lane] = 0.f;
 
@@ -157,10 +164,20 @@ __device__ void flash_prefill(const bf16* q, const bf16* k, const bf16* v, bf16*
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       __syncwarp();  // both lanes of the row have read its old max
       if (half == 0) sh.m[warp][r] = m_new, sh.l[warp][r] = sh.l[warp][r] * alpha + sum;
-      // The output rows rescaled by their alpha, each row by the whole warp.
-      for (int row = 0; row < 16; row++) {
-        float a = __shfl_sync(0xffffffffu, alpha, 2 * row);
-        for (int d = lane; d < D; d += 32) sh.o[warp][row][d] *= a;
+      if (REG_O) {
+        // Accumulator element i of a lane is in row lane/4 + 8·(i/2 % 2) (sm_80+ layout of the
+        // 16x16 f32 fragment: two m16n8 halves); the self-checks would catch another layout.
+        float a0 = __shfl_sync(0xffffffffu, alpha, 2 * (lane >> 2)), a1 = __shfl_sync(0xffffffffu, alpha, 2 * (lane >> 2) + 16);
+#pragma unroll
+        for (int n = 0; n < OREG; n++)
+#pragma unroll
+          for (int i = 0; i < 8; i++) oreg[n].x[i] *= (i >> 1) & 1 ? a1 : a0;
+      } else {
+        // The output rows rescaled by their alpha, each row by the whole warp.
+        for (int row = 0; row < 16; row++) {
+          float a = __shfl_sync(0xffffffffu, alpha, 2 * row);
+          for (int d = lane; d < D; d += 32) sh.o[warp][row][d] *= a;
+        }
       }
     }
     __syncwarp();
@@ -171,18 +188,24 @@ __device__ void flash_prefill(const bf16* q, const bf16* k, const bf16* v, bf16*
 #pragma unroll
       for (int n = 0; n < D / 16; n++) {
         wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
-        wmma::load_matrix_sync(o, &sh.o[warp][0][n * 16], OP, wmma::mem_row_major);
+        if (REG_O) o = oreg[n % OREG];
+        else wmma::load_matrix_sync(o, &sh.o[warp][0][n * 16], OP, wmma::mem_row_major);
 #pragma unroll
         for (int kk = 0; kk < FP_KEYS / 16; kk++) {
           wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> b;
           wmma::load_matrix_sync(b, &sh.v[kk * 16][n * 16], DP);
           wmma::mma_sync(o, pa[kk], b, o);
         }
-        wmma::store_matrix_sync(&sh.o[warp][0][n * 16], o, OP, wmma::mem_row_major);
+        if (REG_O) oreg[n % OREG] = o;
+        else wmma::store_matrix_sync(&sh.o[warp][0][n * 16], o, OP, wmma::mem_row_major);
       }
     }
     __syncwarp();
   }
+  if (REG_O)
+#pragma unroll
+    for (int n = 0; n < OREG; n++) wmma::store_matrix_sync(&sh.o[warp][0][n * 16], oreg[n], OP, wmma::mem_row_major);
+  __syncwarp();
   for (int i = lane; i < 16 * D; i += 32) {
     int row = i / D, d = i % D, t = t0 + warp * 16 + row;
     float l = sh.l[warp][row];

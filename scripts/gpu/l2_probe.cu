@@ -8,6 +8,10 @@
 // a product whose weights are largely in L2 is barely faster, so prefetching the next kernel's
 // weights into L2 (tried from the attention kernel and the products' tails: 0-8% slower per
 // layer) is not the way to fill the memory system's idle time; see bench/results/gpu-h200.md.
+// The bulk-copy product (tma, 2026-12-04 session 18): cold 26.6-27.6 us, 33.6 MB prefetched
+// 22.2-25.0; prefetches issued inside the step (bulk or per-line, by the attention or the O
+// product's blocks, 8-48 MB of the next gate|up) were again slower: 52.6-69 against 48.6 us per
+// 1B layer.
 #include "../../crates/backend/src/cuda/kernels.cu"
 
 #include <cuda_runtime.h>

@@ -305,7 +305,6 @@ int main(int argc, char** argv) {
   struct Variant {
     std::string name;
     std::function<void(cudaStream_t)> run;
-    int pf = -1;  // -DFL_L2PF: the L2 prefetch plan in force while it runs (pf_plans)
   };
   std::vector<Variant> variants = {
       {"decode-layer kernel", [&](cudaStream_t st) { step(st, -1); }},
@@ -343,48 +342,6 @@ int main(int argc, char** argv) {
                         step(st, code(2, 3, 1, 1));
                         g_no_merge = false;
                       }});
-#ifdef FL_L2PF
-  // L2 prefetch plans over the best variant: the first MB of each layer's gate|up weights pulled
-  // into L2 by the attention blocks or the O product's blocks, before or after their wait (the
-  // memory system is idle through the QKV -> attention -> O chain).
-  struct PfPlan {
-    const char* who;  // "attn" or "o"
-    int after;
-    double mb, from_mb;
-  };
-  const std::vector<std::vector<PfPlan>> pf_plans = {
-      {{"attn", 0, 8, 0}},  {{"attn", 0, 16, 0}}, {{"attn", 0, 32, 0}}, {{"attn", 0, 48, 0}}, {{"attn", 1, 16, 0}},
-      {{"attn", 1, 32, 0}}, {{"o", 0, 16, 0}},    {{"o", 0, 32, 0}},    {{"o", 1, 16, 0}},
-      {{"o", 1, 32, 0}},    {{"attn", 1, 16, 0}, {"o", 0, 16, 16}},
-  };
-  auto set_plan = [&](int plan) {
-    std::vector<PfEntry> ents;
-    if (plan >= 0)
-      for (int l = 0; l < L; l++)
-        for (const PfPlan& p : pf_plans[plan]) {
-          size_t gu_bytes = (size_t)2 * I * H * 2, lo = std::min(gu_bytes, (size_t)(p.from_mb * 1048576));
-          size_t n = std::min(gu_bytes - lo, (size_t)(p.mb * 1048576)) & ~(size_t)15;
-          const void* key = std::string(p.who) == "attn" ? (const void*)layers[l].kc : (const void*)layers[l].wo;
-          ents.push_back(PfEntry{key, (const char*)layers[l].wgu + lo, n, p.after});
-        }
-    int n = (int)ents.size();
-    if (n) CK(cudaMemcpyToSymbol(fl_pf, ents.data(), n * sizeof(PfEntry)));
-    CK(cudaMemcpyToSymbol(fl_pf_n, &n, 4));
-  };
-  for (int plan = 0; plan < (int)pf_plans.size(); plan++) {
-    std::string name = "L2 prefetch of gate|up:";
-    for (const PfPlan& p : pf_plans[plan]) {
-      char b[64];
-      snprintf(b, sizeof b, " %s %s %.0f MB", p.who, p.after ? "after" : "before", p.mb);
-      name += b;
-    }
-    Variant v{name, [&](cudaStream_t st) { step(st, code(2, 3, 1, 1)); }};
-    v.pf = plan;
-    variants.push_back(v);
-  }
-#else
-  auto set_plan = [](int) {};
-#endif
   // Each product alone, fused (ns 0) and by TMA.
   const int alone_configs[][2] = {{0, 0}, {2, 2}, {2, 3}};
   for (auto& c : alone_configs) {
@@ -422,7 +379,6 @@ int main(int argc, char** argv) {
   const int reps = 50;
   for (int round = 0; round < 7; round++)
     for (int v = 0; v < NV; v++) {
-      set_plan(variants[v].pf);
       CK(cudaGraphLaunch(ex[v], st));
       CK(cudaEventRecord(e0, st));
       for (int r = 0; r < reps; r++) CK(cudaGraphLaunch(ex[v], st));
@@ -431,7 +387,6 @@ int main(int argc, char** argv) {
       float ms;
       CK(cudaEventElapsedTime(&ms, e0, e1));
       t[v].push_back(ms * 1000.f / reps);
-      set_plan(-1);
     }
 #ifdef FL_TIMELINE
   // Timeline of one replay of each of these separate-kernel variants (graph, after warm-up):

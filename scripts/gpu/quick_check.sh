@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A short GPU check for when device time is scarce (~3 minutes): kernel self-checks, then batch-1
-# decode (graph, 3 runs) and prefill on the 1B and 8B shapes with graph = eager, the previous
-# defaults' products beside the current ones (same tokens), the same with the one-kernel decode
+# decode (graph, 3 runs) and prefill on the 1B and 8B shapes with graph = eager, decode from a
+# short context, prefill without the flash kernel (same tokens), the previous defaults' products
+# beside the current ones (same tokens), the same with the one-kernel decode
 # layer (FERROLM_CUDA_LAYER=1), and, when the
 # carried binary was built with NCCL=1, the NCCL reducer at world 1 (scripts/gpu/nccl_check.sh).
 #   run(command="bash scripts/gpu/quick_check.sh", carry=["gpu-carry"])
@@ -19,6 +20,19 @@ for m in llama-3.2-1b llama-3.1-8b; do
   e=$(FERROLM_CUDA_GRAPH=0 "$W/bin/ferrolm" "${a[@]}" --runs 1)
   same=$([ "$(echo "$g" | field decoded_ids)" = "$(echo "$e" | field decoded_ids)" ] && echo yes || echo NO)
   echo "$m graph $(echo "$g" | field decode_tps) $(echo "$g" | field prefill_tps) eager $(echo "$e" | field decode_tps) graph=eager $same"
+done
+# Decode from a short context (a 16-token prompt): the weights-only roofline's own case.
+for m in llama-3.2-1b llama-3.1-8b; do
+  s=$("$W/bin/ferrolm" bench --model "$W/models/$m" --device cuda --prompt-tokens 16 --decode-tokens 128 --json --runs 3)
+  echo "$m short context: graph $(echo "$s" | field decode_tps)"
+done
+# Prefill through the masked-softmax composition instead of the flash kernel: the same tokens.
+for m in llama-3.2-1b llama-3.1-8b; do
+  a=(bench --model "$W/models/$m" --device cuda --prompt-tokens 2048 --decode-tokens 32 --json --runs 1)
+  f=$("$W/bin/ferrolm" "${a[@]}")
+  c=$(FERROLM_CUDA_FLASH=0 "$W/bin/ferrolm" "${a[@]}")
+  same=$([ "$(echo "$f" | field decoded_ids)" = "$(echo "$c" | field decoded_ids)" ] && echo yes || echo NO)
+  echo "$m prefill flash $(echo "$f" | field prefill_tps), composition $(echo "$c" | field prefill_tps), same tokens: $same"
 done
 # The register-fed products without programmatic dependent launch (the defaults before
 # 2026-12-04): the same tokens (every product variant is bit-identical), and its speed beside.

@@ -19,6 +19,11 @@ fn on(t: &Tensor) -> Option<(candle_core::cuda_backend::CudaDevice, &'static str
     Some((cuda_device(t)?, suffix(t.dtype())?))
 }
 
+/// A one-element u32 tensor on a CUDA device (a token id or a decode position).
+fn u32_word(t: &Tensor) -> bool {
+    t.dtype() == DType::U32 && t.elem_count() == 1 && cuda_device(t).is_some()
+}
+
 fn f32_on_device(t: &Tensor) -> bool {
     t.dtype() == DType::F32 && t.is_contiguous() && cuda_device(t).is_some()
 }
@@ -285,8 +290,7 @@ pub fn gemv_logits(input: GemvInput<'_>, w: &Tensor) -> Result<Option<Tensor>> {
 /// (one-element u32 device tensors). Its last block to finish reduces the blocks' maxima, so
 /// the step needs no argmax kernels. None where the bulk-copy product is not the one in use.
 pub fn gemv_logits_argmax(input: GemvInput<'_>, w: &Tensor, dst: &Tensor, advance: Option<&Tensor>) -> Result<Option<Tensor>> {
-    let u32_word = |t: &Tensor| t.dtype() == DType::U32 && t.elem_count() == 1 && cuda_device(t).is_some();
-    if !policy().head_argmax || gemv_variant() != GemvVariant::Tma || !u32_word(dst) || !advance.is_none_or(u32_word) {
+    if !policy().head_argmax || gemv_variant() != GemvVariant::Tma || !u32_word(dst) || !advance.is_none_or(|t| u32_word(t)) {
         return Ok(None);
     }
     gemv_row(input, w, None, RowOut::F32, Some((dst, advance)))
@@ -432,8 +436,7 @@ pub fn argmax_into(logits: &Tensor, dst: &Tensor) -> Result<bool> {
 /// [`argmax_into`], and `advance[0] += 1` in the same final pass when given (a one-element u32
 /// device tensor: the position of a captured decode step).
 pub fn argmax_advance(logits: &Tensor, dst: &Tensor, advance: Option<&Tensor>) -> Result<bool> {
-    let u32_word = |t: &Tensor| t.dtype() == DType::U32 && t.elem_count() == 1 && cuda_device(t).is_some();
-    if !policy().kernels || !f32_on_device(logits) || !u32_word(dst) || !advance.is_none_or(u32_word) {
+    if !policy().kernels || !f32_on_device(logits) || !u32_word(dst) || !advance.is_none_or(|t| u32_word(t)) {
         return Ok(false);
     }
     let dev = cuda_device(logits).unwrap();

@@ -7,9 +7,7 @@
 # Makes the models first (scripts/gpu/make_models.py) unless they exist.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
-W=/tmp/ferrolm-gpu
-mkdir -p "$W/bin" "$W/models"
-[ -x "$W/bin/ferrolm" ] || { xz -dc gpu-carry/ferrolm.xz > "$W/bin/ferrolm" && chmod +x "$W/bin/ferrolm"; }
+[ -x "$W/bin/ferrolm" ] || unpack_ferrolm
 missing=(); for m in "$@"; do [ -d "$W/models/$m" ] || missing+=("$m"); done
 [ ${#missing[@]} = 0 ] || python scripts/gpu/make_models.py "$W/models" gpu-carry/tokenizer "${missing[@]}" 2>&1 | grep made
 for m in "$@"; do

@@ -6,12 +6,10 @@
 # the models of make_models.py. libnccl comes from PyTorch's wheels on the GPU machine.
 #   run(command="bash scripts/gpu/nccl_check.sh MODEL", carry=["gpu-carry"])
 set -uo pipefail
-W=/tmp/ferrolm-gpu
-mkdir -p "$W/bin" "$W/models"
 m=${1:-llama-3.2-1b}
 source "$(dirname "$0")/env.sh"
 echo "libnccl: $nccl_lib"
-xz -dc gpu-carry/ferrolm.xz > "$W/bin/ferrolm-nccl" && chmod +x "$W/bin/ferrolm-nccl"
+unpack_ferrolm ferrolm-nccl
 [ -d "$W/models/$m" ] || python scripts/gpu/make_models.py "$W/models" gpu-carry/tokenizer "$m" 2>&1 | grep made
 args=(bench --model "$W/models/$m" --device cuda --prompt-tokens 512 --decode-tokens 32 --runs 1 --json)
 ids() { grep -o '"decoded_ids":\[[0-9,]*\]'; }

@@ -6,10 +6,7 @@
 #   run(command="bash scripts/gpu/prefill_check.sh", carry=["gpu-carry"])
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
-OUT=${OUT:-/tmp/ferrolm-gpu-out}
-W=/tmp/ferrolm-gpu
-mkdir -p "$W/bin" "$W/models" "$OUT"
-xz -dc gpu-carry/ferrolm.xz > "$W/bin/ferrolm" && chmod +x "$W/bin/ferrolm"
+unpack_ferrolm
 "$W/bin/ferrolm" gpu-check 2>&1 | grep -E "prefill|checks|FAIL"
 python scripts/gpu/make_models.py "$W/models" gpu-carry/tokenizer smollm2-135m llama-3.2-1b llama-3.1-8b 2>&1 | grep made
 python scripts/gpu/checks.py "$W/bin" "$W/models" "$OUT" logits 2>&1 | grep "^logits\|Error" | cut -c1-600

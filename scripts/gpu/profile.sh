@@ -7,10 +7,7 @@
 # launch is visible) and prints the kernel summary. Output in $OUT.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
-OUT=${OUT:-/tmp/ferrolm-gpu-out}
-W=/tmp/ferrolm-gpu
-mkdir -p "$W/bin" "$W/models" "$OUT"
-xz -dc gpu-carry/ferrolm.xz > "$W/bin/ferrolm" && chmod +x "$W/bin/ferrolm"
+unpack_ferrolm
 NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
 echo "nsys: ${NSYS:-none}"
 if [ "${1:-}" = --no-make ]; then shift; else

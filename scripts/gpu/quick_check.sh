@@ -8,9 +8,7 @@
 #   run(command="bash scripts/gpu/quick_check.sh", carry=["gpu-carry"])
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
-W=/tmp/ferrolm-gpu
-mkdir -p "$W/bin" "$W/models"
-xz -dc gpu-carry/ferrolm.xz > "$W/bin/ferrolm" && chmod +x "$W/bin/ferrolm"
+unpack_ferrolm
 "$W/bin/ferrolm" gpu-check 2>&1 | grep -v "^ok"
 python scripts/gpu/make_models.py "$W/models" gpu-carry/tokenizer llama-3.2-1b llama-3.1-8b 2>&1 | grep made
 field() { grep -o "\"$1\":[^,]*" | head -1; }

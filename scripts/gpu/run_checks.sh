@@ -8,10 +8,7 @@
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 export NCCL_NVLS_ENABLE=0
-OUT=${OUT:-/tmp/ferrolm-gpu-out}
-W=/tmp/ferrolm-gpu
-mkdir -p "$W/bin" "$W/models" "$OUT"
-xz -dc gpu-carry/ferrolm.xz > "$W/bin/ferrolm" && chmod +x "$W/bin/ferrolm"
+unpack_ferrolm
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 git log -1 --format='%H %cd' 2>/dev/null | tee -a "$OUT/device.txt" || true
 echo "== kernel self-checks"

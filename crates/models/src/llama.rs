@@ -149,6 +149,32 @@ impl Llama {
             cfg,
         })
     }
+
+    /// The layers of [`CausalLm::decode_static`]: the last hidden row before the final norm.
+    fn static_hidden(&self, token: &Tensor, pos: &Tensor, kv: &[(Tensor, Tensor)]) -> Result<Option<Tensor>> {
+        if kv.len() != self.layers.len() || !self.has_static_decode() {
+            return Ok(None);
+        }
+        let mut x = self.embed.forward_tensor(token, &self.device)?;
+        for (layer, (ck, cv)) in self.layers.iter().zip(kv) {
+            if let Some(y) = fused_decode_step(&layer.attn_norm, &layer.attn, &layer.ffn_norm, &layer.mlp, &x, pos, ck, cv)? {
+                x = y;
+                continue;
+            }
+            x = layer.attn.forward_static(&x, &layer.attn_norm, pos, ck, cv)?;
+            x = layer.mlp.forward_row(&x, &layer.ffn_norm)?;
+        }
+        Ok(Some(x))
+    }
+
+    /// The final norm and the f32 logits of a static step's hidden row: inside the head's
+    /// product where the backend can (its blocks each normalize the 2-8 KB row once).
+    fn static_logits(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(logits) = self.lm_head.forward_row_logits(RowInput::Normed(x, &self.norm))? {
+            return Ok(logits);
+        }
+        self.project_logits(&self.norm.forward(x)?)
+    }
 }
 
 fn load_layer(
@@ -281,30 +307,3 @@ impl CausalLm for Llama {
     }
 }
 
-impl Llama {
-    /// The layers of [`CausalLm::decode_static`]: the last hidden row before the final norm.
-    fn static_hidden(&self, token: &Tensor, pos: &Tensor, kv: &[(Tensor, Tensor)]) -> Result<Option<Tensor>> {
-        if kv.len() != self.layers.len() || !self.has_static_decode() {
-            return Ok(None);
-        }
-        let mut x = self.embed.forward_tensor(token, &self.device)?;
-        for (layer, (ck, cv)) in self.layers.iter().zip(kv) {
-            if let Some(y) = fused_decode_step(&layer.attn_norm, &layer.attn, &layer.ffn_norm, &layer.mlp, &x, pos, ck, cv)? {
-                x = y;
-                continue;
-            }
-            x = layer.attn.forward_static(&x, &layer.attn_norm, pos, ck, cv)?;
-            x = layer.mlp.forward_row(&x, &layer.ffn_norm)?;
-        }
-        Ok(Some(x))
-    }
-
-    /// The final norm and the f32 logits of a static step's hidden row: inside the head's
-    /// product where the backend can (its blocks each normalize the 2-8 KB row once).
-    fn static_logits(&self, x: &Tensor) -> Result<Tensor> {
-        if let Some(logits) = self.lm_head.forward_row_logits(RowInput::Normed(x, &self.norm))? {
-            return Ok(logits);
-        }
-        self.project_logits(&self.norm.forward(x)?)
-    }
-}

@@ -87,7 +87,7 @@ int main(int argc, char** argv) {
   auto gemv = [&] {
     if (tma)
       fl_gemv_tma2_bf16<<<tma_blocks, 256, tma_smem, st>>>(x, nullptr, nw, 1e-5f, 1, w, nullptr, y, N, K, GEMV_OUT_BF16, nullptr, nullptr,
-                                                          nullptr);
+                                                          nullptr, nullptr);
     else
       fl_gemv_fused_bf16<<<(N + 7) / 8, 256, K * 2, st>>>(x, nullptr, nw, 1e-5f, 1, w, nullptr, y, N, K);
   };

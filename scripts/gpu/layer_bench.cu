@@ -187,7 +187,7 @@ int main(int argc, char** argv) {
       auto f = g_tma_ns == 2 ? fl_gemv_tma2_bf16 : fl_gemv_tma3_bf16;
       int stages = g_tma_ns;
       if (g_fit_stages) stages = std::min(stages, ((n + blocks - 1) / blocks + 7) / 8 * ((k / 8 + GEMV_BATCH - 1) / GEMV_BATCH));
-      launch(f, blocks, 256, (size_t)stages * 8 * GEMV_BATCH * 16 + k * 2, st, a, a2, nw, eps, pro, w, res, out, n, k, 0, nullptr, nullptr, nullptr);
+      launch(f, blocks, 256, (size_t)stages * 8 * GEMV_BATCH * 16 + k * 2, st, a, a2, nw, eps, pro, w, res, out, n, k, 0, nullptr, nullptr, nullptr, nullptr);
     } else {
       launch(fl_gemv_fused_bf16, (n + 7) / 8, 256, k * 2, st, a, a2, nw, eps, pro, w, res, out, n, k);
     }
@@ -205,7 +205,7 @@ int main(int argc, char** argv) {
       auto f = g_tma_ns == 2 ? fl_gemv_tma2_bf16 : fl_gemv_tma3_bf16;
       launch(f, blocks, 256, (size_t)g_tma_ns * 8 * GEMV_BATCH * 16 + H * 2, st, (const bf16*)xm, (const bf16*)nullptr,
              (const float*)y.n2, eps, 1, (const bf16*)y.wgu, (const bf16*)nullptr, act, 2 * I, H, 1, nullptr, nullptr,
-             nullptr);
+             nullptr, nullptr);
       gemv(st, act, nullptr, nullptr, 0, y.wdown, xm, out, H, I);
     } else {
       gemv(st, xm, nullptr, y.n2, 1, y.wgu, nullptr, gu, 2 * I, H);

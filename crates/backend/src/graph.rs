@@ -92,6 +92,37 @@ impl TokenReader {
         }
         Ok(self.ready[slot])
     }
+
+    /// Runs `f` (a step, or its capture) with this reader's token mirror set: a greedy step
+    /// whose head kernel can (CUDA) then stores its token into host memory itself, readable by
+    /// [`TokenReader::wait_mirrored`] with nothing queued between steps. Returns `f`'s result
+    /// and whether the step took the mirror (never on other devices).
+    pub fn mirrored<R>(&mut self, f: impl FnOnce() -> R) -> (R, bool) {
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &mut self.cuda {
+            return c.mirrored(f);
+        }
+        (f(), false)
+    }
+
+    /// Before a generation's mirrored steps: waits for the device and empties the mirror, so
+    /// that no token of an earlier generation is read as one of this one's.
+    pub fn clear_mirror(&mut self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &mut self.cuda {
+            return c.clear_mirror();
+        }
+        Ok(())
+    }
+
+    /// The token of the mirrored step that advanced the decode position to `pos`, once written.
+    pub fn wait_mirrored(&mut self, pos: u32) -> Result<u32> {
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &mut self.cuda {
+            return c.wait_mirrored(pos);
+        }
+        candle_core::bail!("no token mirror on this device (step {pos})")
+    }
 }
 
 /// The kernel timings recorded since the last call (`FERROLM_CUDA_PROFILE=1`, CUDA devices,

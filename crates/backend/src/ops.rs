@@ -10,7 +10,7 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
         return gated_mul(gate, up, GatedMul { name: "silu-mul", act: math::silu });
     }
     #[cfg(feature = "cuda")]
-    if let Some(y) = crate::cuda::ops::silu_mul(&gate.contiguous()?, &up.contiguous()?)? {
+    if let Some(y) = crate::cuda::ops::silu_mul(gate, up)? {
         return Ok(y);
     }
     candle_nn::ops::silu(gate)? * up

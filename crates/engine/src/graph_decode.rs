@@ -4,9 +4,10 @@
 //! step synchronizes with the host; the host reads each token id one step behind (pipelined),
 //! through pinned memory.
 //!
-//! Capture is transactional: the first step runs eagerly (it is also the warm-up the capture
-//! needs), and when capturing fails the steps keep running eagerly through the same code, with
-//! the same results. On devices without graphs (CPU) the eager path is all there is, which is
+//! Capture is transactional: the first step over new buffers runs eagerly (it is also the
+//! warm-up the capture needs; a reused slot replays its graph from the first step), and when
+//! capturing fails the steps keep running eagerly through the same code, with the same results.
+//! On devices without graphs (CPU) the eager path is all there is, which is
 //! what the tests exercise.
 
 use candle_core::{DType, Device, Result, Tensor, TensorId};
@@ -34,9 +35,17 @@ pub struct GraphDecoder {
     device: Device,
     token: Tensor,
     pos: Tensor,
-    graph: Option<(StepGraph, Vec<TensorId>)>,
+    graph: Option<Captured>,
     reader: TokenReader,
     capture_failed: bool,
+}
+
+/// A captured step, the cache buffers it was captured over (it is valid while they stay), and
+/// whether it stores each token into the reader's host mirror itself.
+struct Captured {
+    graph: StepGraph,
+    buffers: Vec<TensorId>,
+    mirrored: bool,
 }
 
 /// How the steps of a decode ran.
@@ -79,6 +88,8 @@ impl GraphDecoder {
         }
         // One spare slot: a step past the last delivered token may already be queued.
         let Some(kv) = cache.static_buffers(n + 1)? else { return Ok(None) };
+        let start = cache.offset() as u32;
+        self.reader.clear_mirror()?;
         self.token.slice_set(&Tensor::new(&[first], &self.device)?, 0, 0)?;
         self.pos.slice_set(&Tensor::new(&[cache.offset() as u32], &self.device)?, 0, 0)?;
         let (token, pos) = (self.token.clone(), self.pos.clone());
@@ -88,9 +99,20 @@ impl GraphDecoder {
                 false => candle_core::bail!("the model has no static decode step"),
             }
         };
-        // Step 1, eagerly: the warm-up a capture needs, and a real step.
-        graph::warm_up(&self.device, &mut step)?;
-        let path = self.prepare_graph(&kv, &mut step);
+        // Step 1: a replay when these buffers' graph exists (a reused slot), else eagerly: the
+        // warm-up a capture needs, and a real step.
+        let path = match &self.graph {
+            Some(c) if c.buffers == buffer_ids(&kv) => {
+                c.graph.replay()?;
+                DecodePath::Graph
+            }
+            _ => {
+                graph::warm_up(&self.device, &mut step)?;
+                self.prepare_graph(&kv, &mut step)
+            }
+        };
+        // Mirrored replays queue nothing between them; step 1 (maybe eager) reads by copy.
+        let mirrored = path == DecodePath::Graph && self.graph.as_ref().is_some_and(|c| c.mirrored);
         self.reader.queue(&token, 0)?;
         let mut launched = 1;
         let mut delivered = 0;
@@ -98,13 +120,19 @@ impl GraphDecoder {
             // Queue the next step before waiting for this one's token.
             if launched < n {
                 match &self.graph {
-                    Some((g, _)) if path == DecodePath::Graph => g.replay()?,
+                    Some(c) if path == DecodePath::Graph => c.graph.replay()?,
                     _ => step()?,
                 }
-                self.reader.queue(&token, launched % graph::SLOTS)?;
+                if !mirrored {
+                    self.reader.queue(&token, launched % graph::SLOTS)?;
+                }
                 launched += 1;
             }
-            let t = self.reader.wait(delivered % graph::SLOTS)?;
+            // Step k advanced the position from `start + k - 1` to `start + k`.
+            let t = match mirrored && delivered > 0 {
+                true => self.reader.wait_mirrored(start + delivered as u32 + 1)?,
+                false => self.reader.wait(delivered % graph::SLOTS)?,
+            };
             cache.commit_static(1)?;
             delivered += 1;
             if !on_token(t) {
@@ -114,19 +142,21 @@ impl GraphDecoder {
         Ok(Some(path))
     }
 
-    /// A graph of `step` over these buffers: the one captured before when the buffers are the
-    /// same, else a new capture; eager when capturing is unsupported or fails.
+    /// A new graph of `step` over these buffers (after its eager warm-up); eager when capturing
+    /// is unsupported or fails.
     fn prepare_graph(&mut self, kv: &[(Tensor, Tensor)], step: &mut dyn FnMut() -> Result<()>) -> DecodePath {
         if !graph::supported(&self.device) || self.capture_failed || std::env::var("FERROLM_CUDA_GRAPH").is_ok_and(|v| v == "0") {
             return DecodePath::Eager;
         }
-        let ids: Vec<TensorId> = kv.iter().flat_map(|(k, v)| [k.id(), v.id()]).collect();
-        if matches!(&self.graph, Some((_, old)) if *old == ids) {
-            return DecodePath::Graph;
-        }
-        match graph::capture(&self.device, step) {
-            Ok(g) => {
-                self.graph = Some((g, ids));
+        let buffers = buffer_ids(kv);
+        let device = &self.device;
+        let (captured, mirrored) = match mirror_tokens() {
+            true => self.reader.mirrored(|| graph::capture(device, step)),
+            false => (graph::capture(device, step), false),
+        };
+        match captured {
+            Ok(graph) => {
+                self.graph = Some(Captured { graph, buffers, mirrored });
                 DecodePath::Graph
             }
             Err(e) => {
@@ -137,4 +167,15 @@ impl GraphDecoder {
             }
         }
     }
+}
+
+/// The cache buffers a captured step reads and writes: its graph is valid while they stay.
+fn buffer_ids(kv: &[(Tensor, Tensor)]) -> Vec<TensorId> {
+    kv.iter().flat_map(|(k, v)| [k.id(), v.id()]).collect()
+}
+
+/// Whether captured steps store their tokens into the host mirror (`FERROLM_TOKEN_MIRROR=0`:
+/// read each by a copy and an event queued after its replay, as before 2026-12-05).
+fn mirror_tokens() -> bool {
+    !std::env::var("FERROLM_TOKEN_MIRROR").is_ok_and(|v| v == "0")
 }

@@ -26,7 +26,9 @@
 //   GEMV_OUT_F32: y [N] f32 holding the bf16-rounded values (an output head's logits, without a
 //     separate conversion kernel). With `am` (a zeroed u32 scratch of 1 + 2 * gridDim.x) it also
 //     writes the logits' argmax to am_dst[0] and adds 1 to am_advance[0] when that is non-null:
-//     the greedy end of a decode step in the head's own kernel (head_argmax below).
+//     the greedy end of a decode step in the head's own kernel (head_argmax below). With
+//     am_mirror too (mapped host memory, 2 u64 slots) it also stores (new position << 32 | token)
+//     into slot position & 1, where the host reads it without a copy or event between steps.
 #define GEMV_OUT_BF16 0
 #define GEMV_OUT_SWIGLU 1
 #define GEMV_OUT_F32 2
@@ -64,7 +66,7 @@ __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(_
 // fl_argmax_*): each block's best of its rows goes to the scratch, and the last block to finish
 // (one acquire-release atomic, as attn_item) reduces them, writes the token, advances the
 // position and leaves the counter at zero for the next step. Every thread of the block calls it.
-__device__ void head_argmax(unsigned* am, unsigned* dst, unsigned* advance, float best, int idx) {
+__device__ void head_argmax(unsigned* am, unsigned* dst, unsigned* advance, unsigned long long* mirror, float best, int idx) {
   __shared__ bool last;
   float* pv = reinterpret_cast<float*>(am + 1);
   int* pi = reinterpret_cast<int*>(am + 1 + gridDim.x);
@@ -87,15 +89,22 @@ __device__ void head_argmax(unsigned* am, unsigned* dst, unsigned* advance, floa
   }
   argmax_block(&best, &idx);
   if (threadIdx.x == 0) {
-    dst[0] = idx == 0x7fffffff ? 0u : (unsigned)idx;
-    if (advance) advance[0] += 1u;
+    unsigned token = idx == 0x7fffffff ? 0u : (unsigned)idx;
+    dst[0] = token;
+    if (advance) {
+      unsigned pos = advance[0] + 1u;
+      advance[0] = pos;
+      // One 8-byte store over PCIe: the host never sees the tag without its token.
+      if (mirror) asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(mirror + (pos & 1u)), "l"(((unsigned long long)pos << 32) | token) : "memory");
+    }
     am[0] = 0u;
   }
 }
 
 template <int NS>
 __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float eps, int pro, const bf16* w, const bf16* res,
-                         void* out, int N, int K, int mode, unsigned* am, unsigned* am_dst, unsigned* am_advance) {
+                         void* out, int N, int K, int mode, unsigned* am, unsigned* am_dst, unsigned* am_advance,
+                         unsigned long long* am_mirror) {
   bool pair = mode == GEMV_OUT_SWIGLU;
   bf16* y = static_cast<bf16*>(out);
   TL_DECL
@@ -177,7 +186,7 @@ __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float e
       y[n >> 1] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
     }
   }
-  if (am) head_argmax(am, am_dst, am_advance, best, best_row);
+  if (am) head_argmax(am, am_dst, am_advance, am_mirror, best, best_row);
   TL_END(1, N, K)
 }
 
@@ -186,8 +195,8 @@ __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float e
 #define GEMV_TMA(NS)                                                                                                \
   extern "C" __global__ void __launch_bounds__(256) fl_gemv_tma##NS##_bf16(                                         \
       const bf16* x, const bf16* x2, const float* nw, float eps, int pro, const bf16* w, const bf16* res, void* y, \
-      int N, int K, int mode, unsigned* am, unsigned* am_dst, unsigned* am_advance) {                               \
-    gemv_tma<NS>(x, x2, nw, eps, pro, w, res, y, N, K, mode, am, am_dst, am_advance);                               \
+      int N, int K, int mode, unsigned* am, unsigned* am_dst, unsigned* am_advance, unsigned long long* am_mirror) { \
+    gemv_tma<NS>(x, x2, nw, eps, pro, w, res, y, N, K, mode, am, am_dst, am_advance, am_mirror);                    \
   }
 GEMV_TMA(2)  // the engine's (ops.rs); 3 stages measured no faster (2 blocks per SM, 1B and 8B shapes)
 GEMV_TMA(3)

@@ -64,10 +64,33 @@ pub fn replay(c: &Captured) -> Result<()> {
 /// Copies one-element u32 device tensors into pinned host slots without waiting; `wait` blocks
 /// only on the copy it asks for. Two slots: the copy of step n can be in flight while step n+1
 /// is queued behind it.
+///
+/// It also holds a token mirror: SLOTS u64 of pinned host memory mapped into the device, where
+/// a greedy head kernel launched inside [`TokenReader::mirrored`] stores each step's (position,
+/// token) itself. Replays of such a step then need nothing between them on the stream (no copy,
+/// no event: each one cost the graph boundary a few microseconds), and
+/// [`TokenReader::wait_mirrored`] polls the slot.
 pub struct TokenReader {
     dev: CudaDevice,
     host: *mut u32,
     events: Vec<CudaEvent>,
+    mirror: *mut u64,
+}
+
+thread_local! {
+    /// The device address of the token mirror greedy head kernels launched now write (0: none),
+    /// and whether one took it.
+    static TOKEN_MIRROR: std::cell::Cell<(u64, bool)> = const { std::cell::Cell::new((0, false)) };
+}
+
+/// The token mirror for a greedy head kernel being launched (0 outside
+/// [`TokenReader::mirrored`]); marks it taken.
+pub fn take_token_mirror() -> u64 {
+    TOKEN_MIRROR.with(|m| {
+        let (addr, _) = m.get();
+        m.set((addr, addr != 0));
+        addr
+    })
 }
 
 // SAFETY: the pinned slots are only touched through &mut self.
@@ -86,7 +109,59 @@ impl TokenReader {
             .map(|_| ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)))
             .collect::<std::result::Result<Vec<_>, _>>()
             .w()?;
-        Ok(Self { dev: dev.clone(), host, events })
+        // SAFETY: SLOTS u64s of page-locked host memory mapped into the device's address space
+        // (unified addressing: the same address on both sides), freed in Drop.
+        let mirror = unsafe { result::malloc_host(SLOTS * 8, sys::CU_MEMHOSTALLOC_DEVICEMAP) }.w()? as *mut u64;
+        // SAFETY: as above; zero is a tag no step writes (positions start at 1 after a step).
+        unsafe { std::ptr::write_bytes(mirror, 0, SLOTS) };
+        Ok(Self { dev: dev.clone(), host, events, mirror })
+    }
+
+    /// Empties the mirror's slots once the device is idle (no earlier step can still write
+    /// them), so that no tag of an earlier generation is read as this one's.
+    pub fn clear_mirror(&mut self) -> Result<()> {
+        self.dev.cuda_stream().synchronize().w()?;
+        // SAFETY: nothing on the device writes the slots now (synchronized above).
+        unsafe { std::ptr::write_bytes(self.mirror, 0, SLOTS) };
+        Ok(())
+    }
+
+    /// Runs `f` with this reader's mirror set for the greedy head kernels it launches or
+    /// captures; returns `f`'s result and whether one of them took the mirror.
+    pub fn mirrored<R>(&mut self, f: impl FnOnce() -> R) -> (R, bool) {
+        TOKEN_MIRROR.with(|m| m.set((self.mirror as u64, false)));
+        let out = f();
+        let (_, taken) = TOKEN_MIRROR.with(|m| m.replace((0, false)));
+        (out, taken)
+    }
+
+    /// Waits until the mirror holds the token of the step that advanced the position to `pos`,
+    /// and returns it. Spins (a step is shorter than a sleep's granularity), asking the stream
+    /// for errors now and then so that a failed step ends the wait.
+    pub fn wait_mirrored(&mut self, pos: u32) -> Result<u32> {
+        let slot = pos as usize % SLOTS;
+        for spin in 0u64.. {
+            // SAFETY: a slot of our mapped allocation; the device writes it whole (8 bytes).
+            let v = unsafe { std::ptr::read_volatile(self.mirror.add(slot)) };
+            if (v >> 32) as u32 == pos {
+                return Ok(v as u32);
+            }
+            if spin % 4096 == 4095 {
+                // SAFETY: a query of our live stream; it enqueues nothing.
+                match unsafe { sys::cuStreamQuery(self.dev.cuda_stream().cu_stream()) } {
+                    sys::CUresult::CUDA_SUCCESS => {
+                        // Idle, yet the slot was not written: this step took no mirror.
+                        if (unsafe { std::ptr::read_volatile(self.mirror.add(slot)) } >> 32) as u32 != pos {
+                            candle_core::bail!("decode step {pos}: the token mirror was not written");
+                        }
+                    }
+                    sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                    e => e.result().w()?,
+                }
+            }
+            std::hint::spin_loop();
+        }
+        unreachable!()
     }
 
     /// Queues the copy of `t` (one u32 on this device) into `slot`.
@@ -111,12 +186,15 @@ impl TokenReader {
 
 impl Drop for TokenReader {
     fn drop(&mut self) {
+        // A replay may still be writing the mirror.
+        let _ = self.dev.cuda_stream().synchronize();
         for e in &self.events {
             let _ = e.synchronize();
         }
         // SAFETY: allocated by malloc_host in new; no copy into it is pending.
         unsafe {
             let _ = result::free_host(self.host as *mut std::ffi::c_void);
+            let _ = result::free_host(self.mirror as *mut std::ffi::c_void);
         }
     }
 }

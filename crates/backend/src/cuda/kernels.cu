@@ -215,25 +215,33 @@ extern "C" __global__ void fl_rope_f32(const float* x, float* out, const float* 
 // ---------------------------------------------------------------------------------------------
 // One token's key (rotated at position p when cos_t is non-null, rounded to T) and value, from
 // ks, vs into the cache rows kr, vr (dim values each); the block's threads share the pairs.
+// With ks_copy/vs_copy (shared memory) the row is also written there.
 template <typename T>
 __device__ void write_kv_row(const T* ks, const T* vs, T* kr, T* vr, int dim, size_t p, const float* cos_t,
-                             const float* sin_t, int interleaved, int tid, int nthreads) {
+                             const float* sin_t, int interleaved, int tid, int nthreads, T* ks_copy = nullptr,
+                             T* vs_copy = nullptr) {
   int half = dim / 2;
   for (int i = tid; i < half; i += nthreads) {
     int ai = interleaved ? 2 * i : i;
     int bi = interleaved ? 2 * i + 1 : i + half;
+    T ka = ks[ai], kb = ks[bi], va = vs[ai], vb = vs[bi];
     if (cos_t) {
       size_t row = p * half + i;
       float o1, o2;
-      rotate(to_f(ks[ai]), to_f(ks[bi]), cos_t[row], sin_t[row], &o1, &o2);
-      kr[ai] = from_f<T>(o1);
-      kr[bi] = from_f<T>(o2);
-    } else {
-      kr[ai] = ks[ai];
-      kr[bi] = ks[bi];
+      rotate(to_f(ka), to_f(kb), cos_t[row], sin_t[row], &o1, &o2);
+      ka = from_f<T>(o1);
+      kb = from_f<T>(o2);
     }
-    vr[ai] = vs[ai];
-    vr[bi] = vs[bi];
+    kr[ai] = ka;
+    kr[bi] = kb;
+    vr[ai] = va;
+    vr[bi] = vb;
+    if (ks_copy) {
+      ks_copy[ai] = ka;
+      ks_copy[bi] = kb;
+      vs_copy[ai] = va;
+      vs_copy[bi] = vb;
+    }
   }
 }
 
@@ -294,6 +302,7 @@ struct AttnGroup {
 template <int D, int MG>
 struct AttnShared {
   static constexpr int SLOTS = ATTN_THREADS / (D / 8);
+  uint4 knew[D / 4], vnew[D / 4];  // the appended row (as T: bf16 uses the first half)
   float qs[MG][D];
   float ps[MG][ATTN_CHUNK];
   float sm[MG], sl[MG];
@@ -383,39 +392,59 @@ __device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const f
   // The block that appends loads every other row first and the new row only after writing it,
   // so that only that row's latency follows the write.
   long skip = appends ? jn : -1;
+  // The new row is read from shared memory (S.knew / S.vnew), the others from the cache.
+  const T* k_row_new = reinterpret_cast<const T*>(S.knew);
+  const T* v_row_new = reinterpret_cast<const T*>(S.vnew);
   auto load_k = [&](bool new_row) {
     if (s_live && (begin + sk == skip) == new_row) {
+      const T* row = new_row ? k_row_new : kh + (size_t)(begin + sk) * D;
 #pragma unroll
-      for (int u = 0; u < HALF_V; u++) kv[u].load(kh + (size_t)(begin + sk) * D + (2 * u + sp) * 8);
+      for (int u = 0; u < HALF_V; u++) kv[u].load(row + (2 * u + sp) * 8);
     }
   };
   auto load_v = [&](bool new_row) {
 #pragma unroll
     for (int r = 0; r < PER; r++) {
       long j = begin + slot + r * SLOTS;
-      if (j >= first && j < last && (j == skip) == new_row) vv[r].load(vh + (size_t)j * D + c * 8);
+      if (j >= first && j < last && (j == skip) == new_row) vv[r].load((new_row ? v_row_new : vh + (size_t)j * D) + c * 8);
     }
   };
   load_k(false);
   if (EARLY_V) load_v(false);
   wait();
+
+  // q's pairs of this thread, loaded before the new row is read so that both loads (outputs of
+  // the previous kernel) share one round trip.
+  int half = D / 2;
+  constexpr int QPER = (MG * D / 2 + ATTN_THREADS - 1) / ATTN_THREADS;
+  float qa[QPER], qb[QPER];
+#pragma unroll
+  for (int u = 0; u < QPER; u++) {
+    int idx = tid + u * ATTN_THREADS;
+    if (idx < G * half) {
+      int g = idx / half, i = idx % half;
+      const T* src = q + (size_t)(h * G + g) * D;
+      qa[u] = to_f(src[interleaved ? 2 * i : i]);
+      qb[u] = to_f(src[interleaved ? 2 * i + 1 : i + half]);
+    }
+  }
   if (appends) {
-    // The new token's row, written by the one block whose chunk holds it (fl_kv_append's work).
+    // The new token's row, written by the one block whose chunk holds it (fl_kv_append's work),
+    // and kept in shared memory for this block's own scores and P·V (no reload from the cache).
     write_kv_row<T>(k_new + (size_t)h * D, v_new + (size_t)h * D, kh + (size_t)jn * D, vh + (size_t)jn * D, D, qpos,
-                    cos_t, sin_t, interleaved, tid, ATTN_THREADS);
-    grp.sync();  // the loads below see the new row
-    load_k(true);
-    if (EARLY_V) load_v(true);
+                    cos_t, sin_t, interleaved, tid, ATTN_THREADS, reinterpret_cast<T*>(S.knew),
+                    reinterpret_cast<T*>(S.vnew));
   }
 
   // q (rotated, scaled) into shared memory.
-  int half = D / 2;
-  for (int idx = tid; idx < G * half; idx += ATTN_THREADS) {
+#pragma unroll
+  for (int u = 0; u < QPER; u++) {
+    int idx = tid + u * ATTN_THREADS;
+    if (idx >= G * half) break;
     int g = idx / half, i = idx % half;
-    const T* src = q + (size_t)(h * G + g) * D;
     int ai = interleaved ? 2 * i : i;
     int bi = interleaved ? 2 * i + 1 : i + half;
-    float a = to_f(src[ai]), b = to_f(src[bi]);
+    float a = qa[u], b = qb[u];
     if (cos_t) {
       size_t row = (size_t)qpos * half + i;
       float o1, o2;
@@ -427,7 +456,11 @@ __device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const f
     qs[g][ai] = a * scale;
     qs[g][bi] = b * scale;
   }
-  grp.sync();  // qs ready
+  grp.sync();  // qs (and the new row) ready
+  if (appends) {
+    load_k(true);
+    if (EARLY_V) load_v(true);
+  }
 
   // Scores.
 #pragma unroll
@@ -522,7 +555,9 @@ __device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const f
 // sum and values at once, and folds them in with an online softmax; the `share` lanes of a pair
 // then combine theirs by shuffles. Splits with no visible key (max -inf) wrote no values: they are
 // skipped, their garbage never multiplied. (Batches of 16 measured no faster than 8.)
+#ifndef MERGE_BATCH
 #define MERGE_BATCH 8
+#endif
 __device__ __forceinline__ float4 fma4(float4 a, float s, float4 b, float t) {
   return make_float4(a.x * s + b.x * t, a.y * s + b.y * t, a.z * s + b.z * t, a.w * s + b.w * t);
 }
@@ -1043,6 +1078,21 @@ extern "C" __global__ void fl_embed_rows_bf16(const bf16* table, const unsigned*
       for (int k = 0; k < 8; k++) e[k] = __float2bfloat16(__bfloat162float(e[k]) * scale);
     }
     dst[i] = v;
+  }
+}
+
+// silu(gate) · up over bf16 rows with their own strides (in elements; cols % 8 == 0): the gate and
+// up halves of a stacked prefill product read in place (no copies), 8 values per thread, with
+// silu_mul's arithmetic (silu_mul8), so the results are the same bits.
+extern "C" __global__ void fl_silu_mul_rows_bf16(const bf16* g, long gs, const bf16* u, long us, bf16* out, int rows,
+                                                 int cols) {
+  pdl_prologue();
+  size_t vc = cols / 8, n = (size_t)rows * vc;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    size_t r = i / vc, c = i % vc;
+    uint4 a = *reinterpret_cast<const uint4*>(g + r * gs + c * 8);
+    uint4 b = *reinterpret_cast<const uint4*>(u + r * us + c * 8);
+    reinterpret_cast<uint4*>(out)[i] = silu_mul8(a, b);
   }
 }
 

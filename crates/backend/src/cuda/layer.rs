@@ -227,8 +227,9 @@ fn max_group(heads: usize, kv_heads: usize) -> usize {
 /// Dynamic shared memory: the staged input row of the widest product, or the attention groups'
 /// `AttnShared<D>` (whichever is larger; the phases reuse it). The kernel traps if it gets less.
 fn smem_bytes(s: &Shape, hq: usize, mg: usize) -> u32 {
-    // sizeof(AttnShared<D, MG>) in kernels.cu: qs, ps, sm+sl, pacc (f32), a bool.
-    let attn_shared = 4 * (mg * s.d + mg * 64 + 2 * mg + (1024 / s.d) * mg * s.d) + 4;
+    // sizeof(AttnShared<D, MG>) in kernels.cu: knew+vnew (D f32 each), qs, ps, sm+sl, pacc (f32),
+    // a bool, aligned to 16 bytes.
+    let attn_shared = (8 * s.d + 4 * (mg * s.d + mg * 64 + 2 * mg + (1024 / s.d) * mg * s.d) + 4).next_multiple_of(16);
     let row = 2 * s.hidden.max(s.inter).max(hq * s.d);
     (GROUPS * attn_shared).max(row) as u32
 }

@@ -209,14 +209,36 @@ pub fn attend_decode(a: &DecodeAttention<'_>) -> Result<Option<Tensor>> {
 
 /// silu(gate) · up, elementwise.
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Option<Tensor>> {
+    if let Some(out) = silu_mul_rows(gate, up)? {
+        return Ok(Some(out));
+    }
+    let (gate, up) = (&gate.contiguous()?, &up.contiguous()?);
     let Some((dev, sfx)) = on(gate) else { return Ok(None) };
-    if up.shape() != gate.shape() || up.dtype() != gate.dtype() || !up.is_contiguous() {
+    if up.shape() != gate.shape() || up.dtype() != gate.dtype() {
         return Ok(None);
     }
     let n = gate.elem_count();
     let out = alloc(&dev, gate.shape().clone(), gate.dtype())?;
     let grid = n.div_ceil(256).clamp(1, 8192) as u32;
     launch!(dev, &format!("fl_silu_mul_{sfx}"), (grid, 1, 1), 256, ptr(gate)?, ptr(up)?, ptr(&out)?, n);
+    Ok(Some(out))
+}
+
+/// [`silu_mul`] of bf16 `[rows, cols]` inputs whose rows have their own stride (the two halves of
+/// a stacked gate|up product, read in place: a prefill's would otherwise be copied twice), in
+/// 16-byte vectors. None when the layout does not allow it.
+fn silu_mul_rows(gate: &Tensor, up: &Tensor) -> Result<Option<Tensor>> {
+    let Some(dev) = cuda_device(gate).filter(|_| policy().kernels) else { return Ok(None) };
+    let Ok((rows, cols)) = gate.dims2() else { return Ok(None) };
+    let (gs, us) = (gate.stride(), up.stride());
+    let bf16 = gate.dtype() == DType::BF16 && up.dtype() == DType::BF16 && cuda_device(up).is_some();
+    let vectors = cols % 8 == 0 && gs[1] == 1 && us[1] == 1 && gs[0] % 8 == 0 && us[0] % 8 == 0;
+    if !bf16 || up.dims() != gate.dims() || !vectors || rows == 0 || ptr(gate)? % 16 != 0 || ptr(up)? % 16 != 0 {
+        return Ok(None);
+    }
+    let out = alloc(&dev, (rows, cols), DType::BF16)?;
+    let grid = (rows * cols / 8).div_ceil(256).clamp(1, 16384) as u32;
+    launch!(dev, "fl_silu_mul_rows_bf16", (grid, 1, 1), 256, ptr(gate)?, gs[0] as i64, ptr(up)?, us[0] as i64, ptr(&out)?, rows as i32, cols as i32);
     Ok(Some(out))
 }
 
@@ -348,14 +370,18 @@ fn gemv_row(input: GemvInput<'_>, w: &Tensor, residual: Option<&Tensor>, mode: R
             let smem = TMA_STAGES * TMA_STAGE_BYTES + k * 2;
             let grid = tma_grid(&dev, n, smem)?;
             // The argmax's scratch: a finished-block counter (left at zero), each block's best.
-            let (am, dst, adv) = match greedy {
-                Some((dst, adv)) => (Some(super::alloc_zeroed_u32(&dev, 1 + 2 * grid as usize)?), ptr(dst)?, opt(adv)?),
-                None => (None, 0, 0),
+            // With the position advanced, also the host's token mirror when a reader set one.
+            let (am, dst, adv, mirror) = match greedy {
+                Some((dst, adv)) => {
+                    let mirror = if adv.is_some() { super::graph::take_token_mirror() } else { 0 };
+                    (Some(super::alloc_zeroed_u32(&dev, 1 + 2 * grid as usize)?), ptr(dst)?, opt(adv)?, mirror)
+                }
+                None => (None, 0, 0, 0),
             };
             super::with_smem(smem as u32);
             launch!(
                 dev, TMA_KERNEL, (grid, 1, 1), 256, xp, x2p, nwp, eps, pro as i32, wp, rp, op, n32, k32, mode as i32,
-                opt(am.as_ref())?, dst, adv
+                opt(am.as_ref())?, dst, adv, mirror
             );
         }
         _ if greedy.is_some() => return Ok(None),

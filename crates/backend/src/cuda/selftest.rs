@@ -85,6 +85,12 @@ pub fn run(dev: &Device) -> Result<Vec<Check>> {
     let gf = g.to_dtype(DType::F32)?;
     let want = (candle_nn::ops::silu(&gf)? * u.to_dtype(DType::F32)?)?;
     out.push(Check { name: "silu*mul bf16".into(), error: rel(&got, &want)?, bound: 1e-2 });
+    // The halves of a stacked gate|up prefill product, read in place: the same bits as copies.
+    let gu = randn((37, 2 * 1024), bf, dev)?;
+    let (g, u) = (gu.narrow(1, 0, 1024)?, gu.narrow(1, 1024, 1024)?);
+    let strided = need(ops::silu_mul(&g, &u)?, "silu_mul strided")?;
+    let copied = need(ops::silu_mul(&g.contiguous()?.reshape(37 * 1024)?, &u.contiguous()?.reshape(37 * 1024)?)?, "silu_mul")?;
+    out.push(Check { name: "silu*mul of strided halves = of copies (exact)".into(), error: rel(&strided.flatten_all()?, &copied)?, bound: 0.0 });
     for (n, k) in [(576, 576), (2048, 8192), (4096, 4096), (128256, 2048), (1000, 24)] {
         let x = randn((1, k), bf, dev)?;
         let w = (randn((n, k), bf, dev)? * 0.05)?.to_dtype(bf)?;
@@ -141,8 +147,9 @@ fn check_gemv_fused(dev: &Device, n: usize, k: usize) -> Result<Vec<Check>> {
 }
 
 /// The head's product with the greedy argmax in its kernel against its plain logits and the
-/// separate argmax, exactly, twice in a row (its block counter must be back at zero); `ties`:
-/// every row the same, so every logit ties and the first index must win.
+/// separate argmax, exactly, twice in a row (its block counter must be back at zero), the
+/// second time with a token mirror (the host slot must hold the token and the new position);
+/// `ties`: every row the same, so every logit ties and the first index must win.
 fn check_head_argmax(dev: &Device, n: usize, k: usize, ties: bool) -> Result<Vec<Check>> {
     use ops::GemvInput;
     let bf = DType::BF16;
@@ -158,11 +165,20 @@ fn check_head_argmax(dev: &Device, n: usize, k: usize, ties: bool) -> Result<Vec
     crate::ops::argmax_into(&logits, &want)?;
     let want = want.to_vec1::<u32>()?[0];
     let (token, pos) = (Tensor::zeros(1, DType::U32, dev)?, Tensor::new(&[7u32], dev)?);
+    let Device::Cuda(cuda) = dev else { return Ok(Vec::new()) };
+    let mut reader = super::graph::TokenReader::new(cuda)?;
+    reader.clear_mirror()?;
     let mut checks = Vec::new();
     for round in 1..=2u32 {
-        let fused = need(ops::gemv_logits_argmax(input, &w, &token, Some(&pos))?, "gemv_logits_argmax")?;
+        let launch = || ops::gemv_logits_argmax(input, &w, &token, Some(&pos));
+        let (fused, mirrored) = match round {
+            1 => (launch(), false),
+            _ => reader.mirrored(launch),
+        };
+        let fused = need(fused?, "gemv_logits_argmax")?;
         let (got, at) = (token.to_vec1::<u32>()?[0], pos.to_vec1::<u32>()?[0]);
-        let wrong = got != want || at != 7 + round || (ties && got != 0);
+        let mirror_wrong = round == 2 && (!mirrored || reader.wait_mirrored(7 + round)? != want);
+        let wrong = got != want || at != 7 + round || (ties && got != 0) || mirror_wrong;
         let name = format!("head argmax in the product {n}x{k}{}, step {round} (exact)", if ties { ", all tied" } else { "" });
         checks.push(Check { name, error: wrong as u8 as f64 + rel(&fused, &logits)?, bound: 0.0 });
     }

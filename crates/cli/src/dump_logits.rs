@@ -7,6 +7,7 @@
 
 use crate::{CliError, CliResult};
 use candle_core::DType;
+use ferrolm_engine::bundle;
 use ferrolm_models::{ModelSource, SeqInput};
 use std::path::PathBuf;
 
@@ -24,6 +25,10 @@ pub struct Args {
     /// How many ids the prefill takes (default: all but the last).
     #[arg(long)]
     from: Option<usize>,
+    /// Split the model over N ranks (see `ferrolm serve --tensor-parallel`): the sharded
+    /// model's logits, to compare with the unsplit one's (scripts/gpu/tp_check.sh).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    tensor_parallel: u32,
 }
 
 pub fn run(args: Args) -> CliResult<()> {
@@ -32,9 +37,17 @@ pub fn run(args: Args) -> CliResult<()> {
     if from == 0 || from >= ids.len() {
         return Err(CliError::usage("--from must be in 1..len(ids)"));
     }
-    let device = ferrolm_backend::parse_device(&args.device).map_err(CliError::usage)?;
-    let src = ModelSource::open(&args.model).map_err(CliError::usage)?;
-    let model = ferrolm_models::load(&src, &device).map_err(CliError::usage)?;
+    let model = match args.tensor_parallel {
+        1 => {
+            let device = ferrolm_backend::parse_device(&args.device).map_err(CliError::usage)?;
+            let src = ModelSource::open(&args.model).map_err(CliError::usage)?;
+            ferrolm_models::load(&src, &device).map_err(CliError::usage)?
+        }
+        n => {
+            let b = bundle::load_parallel(Some(&args.model), &args.device, n as usize).map_err(CliError::usage)?;
+            b.model
+        }
+    };
     let rows = teacher_forced(model.as_ref(), &ids, from).map_err(CliError::runtime)?;
     let bytes: Vec<u8> = rows.iter().flat_map(|x| x.to_le_bytes()).collect();
     std::fs::write(&args.out, bytes).map_err(|e| CliError::runtime(format!("{}: {e}", args.out.display())))

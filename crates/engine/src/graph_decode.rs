@@ -91,7 +91,7 @@ impl GraphDecoder {
         let start = cache.offset() as u32;
         self.reader.clear_mirror()?;
         self.token.slice_set(&Tensor::new(&[first], &self.device)?, 0, 0)?;
-        self.pos.slice_set(&Tensor::new(&[cache.offset() as u32], &self.device)?, 0, 0)?;
+        self.pos.slice_set(&Tensor::new(&[start], &self.device)?, 0, 0)?;
         let (token, pos) = (self.token.clone(), self.pos.clone());
         let mut step = || -> Result<()> {
             match model.decode_static_greedy(&token, &pos, &kv)? {

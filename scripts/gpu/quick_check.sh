@@ -38,24 +38,25 @@ for m in llama-3.2-1b llama-3.1-8b; do
   same=$([ "$(echo "$f" | field decoded_ids)" = "$(echo "$c" | field decoded_ids)" ] && echo yes || echo NO)
   echo "$m prefill flash $(echo "$f" | field prefill_tps), composition $(echo "$c" | field prefill_tps), same tokens: $same"
 done
+# Decode with the defaults and with the settings "$@" (env assignments) side by side: both
+# speeds and whether the greedy tokens are the same. $1: what the settings restore.
+beside() {
+  local label=$1 m base other same
+  shift
+  for m in llama-3.2-1b llama-3.1-8b; do
+    local a=(bench --model "$W/models/$m" --device cuda --prompt-tokens 2048 --decode-tokens 128 --json --runs 3)
+    base=$("$W/bin/ferrolm" "${a[@]}")
+    other=$(env "$@" "$W/bin/ferrolm" "${a[@]}")
+    same=$([ "$(echo "$other" | field decoded_ids)" = "$(echo "$base" | field decoded_ids)" ] && echo yes || echo NO)
+    echo "$m default $(echo "$base" | field decode_tps), $label $(echo "$other" | field decode_tps), same tokens: $same"
+  done
+}
 # The register-fed products without programmatic dependent launch (the defaults before
-# 2026-12-04): the same tokens (every product variant is bit-identical), and its speed beside.
-for m in llama-3.2-1b llama-3.1-8b; do
-  a=(bench --model "$W/models/$m" --device cuda --prompt-tokens 2048 --decode-tokens 128 --json --runs 3)
-  base=$("$W/bin/ferrolm" "${a[@]}")
-  old=$(FERROLM_CUDA_GEMV_VARIANT=streaming FERROLM_CUDA_PDL=0 "$W/bin/ferrolm" "${a[@]}")
-  same=$([ "$(echo "$old" | field decoded_ids)" = "$(echo "$base" | field decoded_ids)" ] && echo yes || echo NO)
-  echo "$m default $(echo "$base" | field decode_tps), streaming products without PDL $(echo "$old" | field decode_tps), same tokens: $same"
-done
+# 2026-12-04): every product variant is bit-identical.
+beside "streaming products without PDL" FERROLM_CUDA_GEMV_VARIANT=streaming FERROLM_CUDA_PDL=0
 # Each token read back by a copy and an event queued after its replay (the default before
-# 2026-12-05) instead of the head kernel's store into the host mirror: same tokens, speed beside.
-for m in llama-3.2-1b llama-3.1-8b; do
-  a=(bench --model "$W/models/$m" --device cuda --prompt-tokens 2048 --decode-tokens 128 --json --runs 3)
-  base=$("$W/bin/ferrolm" "${a[@]}")
-  old=$(FERROLM_TOKEN_MIRROR=0 "$W/bin/ferrolm" "${a[@]}")
-  same=$([ "$(echo "$old" | field decoded_ids)" = "$(echo "$base" | field decoded_ids)" ] && echo yes || echo NO)
-  echo "$m token mirror $(echo "$base" | field decode_tps), copies and events $(echo "$old" | field decode_tps), same tokens: $same"
-done
+# 2026-12-05) instead of the head kernel's store into the host mirror.
+beside "tokens read by copies and events" FERROLM_TOKEN_MIRROR=0
 # The one-kernel decode layer (FERROLM_CUDA_LAYER=1, off by default): graph and eager decode the
 # same tokens as the separate kernels (it is bit-identical to them).
 for m in llama-3.2-1b llama-3.1-8b; do

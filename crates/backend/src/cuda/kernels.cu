@@ -16,9 +16,17 @@ template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __flo
 // Programmatic dependent launch: let the next kernel be scheduled now, and wait until the
 // previous kernel's writes are visible before reading anything. Both are no-ops for a launch
 // without the PDL attribute. Every kernel starts with this.
+//
+// FL_TRIGGER_FIRST (experiment): let the next kernel be scheduled before this one's wait, so a
+// kernel's blocks may start two kernels ahead where shared memory allows.
 __device__ __forceinline__ void pdl_prologue() {
+#ifdef FL_TRIGGER_FIRST
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#else
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
 }
 
 // Timeline probes, compiled only into scripts/gpu/layer_bench.cu (-DFL_TIMELINE): each block of

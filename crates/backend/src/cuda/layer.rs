@@ -140,7 +140,7 @@ pub fn decode_layer(a: &DecodeLayerArgs<'_>) -> Result<Option<Tensor>> {
     };
     let mg = max_group(hq, hkv);
     let name = kernel_name(d, mg);
-    let func = dev.get_or_load_custom_func(name, super::MODULE, super::PTX)?;
+    let func = dev.get_or_load_custom_func(name, super::MODULE, super::ptx()?)?;
     let smem = smem_bytes(&shape, hq, mg);
     func.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
         .map_err(|e| candle_core::Error::Msg(format!("{name}: {e:?}")))?;

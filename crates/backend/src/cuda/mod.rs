@@ -10,14 +10,29 @@
 //! only), `FERROLM_CUDA_GEMV=0` only the batch-1 matrix-vector kernel (cuBLAS instead),
 //! `FERROLM_CUDA_GEMV=smem` picks its shared-memory variant, `FERROLM_CUDA_SOFTMAX=0` turns off
 //! the fused masked softmax of prefill attention (candle's mask + softmax instead),
-//! `FERROLM_CUDA_LAYER=1` turns on the one-kernel decode layer (`layer.rs`, experimental).
+//! `FERROLM_CUDA_LAYER=1` turns on the one-kernel decode layer (`layer.rs`, experimental),
+//! `FERROLM_CUDA_PTX=file.ptx` loads the kernels from that file instead of the built-in PTX (kernel
+//! variants compiled with other `-D` switches, A/B'd against one binary: `scripts/gpu/ptx_variants.sh`).
 
 use candle_core::cuda_backend::cudarc::driver::{sys, DevicePtr};
 use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice};
 use candle_core::{CudaStorage, DType, Device, Result, Shape, Storage, Tensor};
 use std::sync::OnceLock;
 
-pub(crate) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ferrolm_kernels.ptx"));
+const BUILT_IN_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ferrolm_kernels.ptx"));
+
+/// The kernels' PTX: the built-in one, or the file `FERROLM_CUDA_PTX` names (read once; a
+/// file that cannot be read fails every launch instead of falling back silently).
+pub(crate) fn ptx() -> Result<&'static str> {
+    static TEXT: OnceLock<std::result::Result<&'static str, String>> = OnceLock::new();
+    let text = TEXT.get_or_init(|| match std::env::var("FERROLM_CUDA_PTX") {
+        Ok(path) => std::fs::read_to_string(&path)
+            .map(|text| &*Box::leak(text.into_boxed_str()))
+            .map_err(|e| format!("FERROLM_CUDA_PTX={path}: {e}")),
+        Err(_) => Ok(BUILT_IN_PTX),
+    });
+    text.clone().map_err(candle_core::Error::Msg)
+}
 pub(crate) const MODULE: &str = "ferrolm_kernels";
 
 /// A CUDA device on its own stream, without per-tensor event tracking (one stream orders all
@@ -181,7 +196,7 @@ pub(crate) fn suffix(dtype: DType) -> Option<&'static str> {
 /// Each argument is bound to a local that lives until the launch.
 macro_rules! launch {
     ($dev:expr, $name:expr, $grid:expr, $block:expr, $($arg:expr),* $(,)?) => {{
-        let func = $dev.get_or_load_custom_func($name, $crate::cuda::MODULE, $crate::cuda::PTX)?;
+        let func = $dev.get_or_load_custom_func($name, $crate::cuda::MODULE, $crate::cuda::ptx()?)?;
         let grid: (u32, u32, u32) = $grid;
         let smem = $crate::cuda::launch_smem();
         let mut params: Vec<*mut std::ffi::c_void> = Vec::new();

@@ -3,8 +3,8 @@
 # each argument NAME=FLAGS (FLAGS: -D switches, comma-separated) becomes gpu-carry/ptx/NAME.ptx.xz,
 # which scripts/gpu/decode_variants.sh loads for a variant "ptx:NAME", so kernel changes are
 # A/B'd in the engine against one binary (no Rust rebuild, alternating in one device run):
-#   bash scripts/gpu/ptx_variants.sh base= trig=-DFL_TRIGGER_FIRST
-#   run(command="VARIANTS='ptx:base ptx:trig ptx:base ptx:trig' bash scripts/gpu/decode_variants.sh llama-3.2-1b", carry=["gpu-carry"])
+#   bash scripts/gpu/ptx_variants.sh base= old=-DFL_WAIT_FIRST
+#   run(command="VARIANTS='ptx:base ptx:old ptx:base ptx:old' bash scripts/gpu/decode_variants.sh llama-3.2-1b", carry=["gpu-carry"])
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 eval "$(bash ../shared/gpu/cuda-toolchain.sh)"

@@ -3,11 +3,13 @@
 // product-like kernels in one CUDA graph (each block streams its share of a weight matrix with
 // its first loads issued before the wait, then needs the whole previous output, then writes its
 // own value), with the boundary as:
-//   wait+trigger   griddepcontrol.wait, then launch_dependents (the engine's kernels today);
-//   trigger+wait   launch_dependents first, so blocks can start two kernels ahead;
+//   wait+trigger   griddepcontrol.wait, then launch_dependents (the engine's order until 2026-12-05);
+//   trigger+wait   launch_dependents first, so blocks can start two kernels ahead (the engine's since);
 //   counters       launch_dependents first, no grid wait: thread 0 polls a counter that every
 //                  block of the previous kernel adds 1 to (release) when its output is written.
-// Every mode must give the same final outputs (a stale read would change them).
+// Every mode must give the same final outputs (a stale read would change them). Measured on an H100
+// (2026-12-05), us per kernel at 13 / 15 / 63 MB: 5.16 / 5.93 / 33.8, 4.97 / 5.79 / 33.3, and counters
+// 5.93 / 6.88 / 34.3: polling counters costs ~1 us more per boundary than the grid wait.
 //   sync_probe [MB per kernel ...]   (nvcc -O3 -std=c++17 -arch=sm_90 -cudart static)
 #include <cuda_runtime.h>
 

@@ -101,11 +101,6 @@ __device__ void head_argmax(unsigned* am, unsigned* dst, unsigned* advance, unsi
   }
 }
 
-// Stages issued before the wait for the previous kernel (experiment: fewer, so that the input's
-// load after the wait queues behind fewer bulk copies); the others right after the staging.
-#ifndef GEMV_PRE_STAGES
-#define GEMV_PRE_STAGES 8
-#endif
 template <int NS>
 __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float eps, int pro, const bf16* w, const bf16* res,
                          void* out, int N, int K, int mode, unsigned* am, unsigned* am_dst, unsigned* am_advance,
@@ -144,14 +139,12 @@ __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float e
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     for (int i = 0; i < NS; i++) mbar_init(&full[i], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    for (int s = 0; s < min(NS, GEMV_PRE_STAGES); s++) issue(s);
+    for (int s = 0; s < NS; s++) issue(s);
   }
   NormPre pre = preload_norm(nw, pro, K);
   pdl_prologue();
   TL_MARK(1)
   stage_input(x, x2, nw, pre, eps, pro, K, xs);  // ends with a barrier: the mbarriers are initialized
-  if (threadIdx.x == 0)
-    for (int s = GEMV_PRE_STAGES; s < NS; s++) issue(s);
   TL_MARK(2)
   float acc = 0.f, gate = 0.f;
   float best = -INFINITY;  // head_argmax: lane 0's best row of its warp

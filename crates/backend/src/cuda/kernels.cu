@@ -17,15 +17,19 @@ template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __flo
 // previous kernel's writes are visible before reading anything. Both are no-ops for a launch
 // without the PDL attribute. Every kernel starts with this.
 //
-// FL_TRIGGER_FIRST (experiment): let the next kernel be scheduled before this one's wait, so a
-// kernel's blocks may start two kernels ahead where shared memory allows.
+// The trigger comes first, so a kernel's blocks may be scheduled two kernels ahead where shared
+// memory allows (correctness still rests on each kernel's wait, which completes only after the
+// previous kernel, itself waiting on the one before, has finished). Measured on an H100 against
+// wait-then-trigger (FL_WAIT_FIRST, the order until 2026-12-05), alternating, same tokens: 1B
+// after a 2,048-token prompt 944.8 / 944.9 against 923.5 / 922.8 tok/s, from a 16-token prompt
+// 1,006.5 / 1,006.6 against 972.8 / 972.8; 8B 174.1 / 174.4 against 175.4 / 175.4.
 __device__ __forceinline__ void pdl_prologue() {
-#ifdef FL_TRIGGER_FIRST
-  asm volatile("griddepcontrol.launch_dependents;" :::);
+#ifdef FL_WAIT_FIRST
   asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" :::);
 #else
-  asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" :::);
+  asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 

@@ -368,7 +368,7 @@ fn gemv_row(input: GemvInput<'_>, w: &Tensor, residual: Option<&Tensor>, mode: R
             // such blocks (QKV, O) only what they use, so that more of the neighbouring kernels'
             // blocks fit beside them early, was measured slower (1B: 48.1 vs 47.2 us per layer).
             let smem = TMA_STAGES * TMA_STAGE_BYTES + k * 2;
-            let grid = tma_grid(&dev, n, k, smem)?;
+            let grid = tma_grid(&dev, n, smem)?;
             // The argmax's scratch: a finished-block counter (left at zero), each block's best.
             // With the position advanced, also the host's token mirror when a reader set one.
             let (am, dst, adv, mirror) = match greedy {
@@ -427,9 +427,9 @@ const SMEM_PER_BLOCK_RESERVED: usize = 1024;
 
 /// Grid of the bulk-copy product: as many blocks per SM as fit, at most 3 (the best measured on
 /// the 1B shape) or `FERROLM_CUDA_GEMV_BLOCKS_PER_SM`, never more than one block per 8 rows.
-/// `FERROLM_CUDA_GEMV_SMALL_BLOCKS_PER_SM` (experiment) sets it for products of at most 16 MiB
-/// of weights. Sets the kernel's shared-memory limit once per device.
-fn tma_grid(dev: &candle_core::cuda_backend::CudaDevice, n: usize, k: usize, smem: usize) -> Result<u32> {
+/// Sets the kernel's shared-memory limit once per device. (The QKV and O products at 1 block per
+/// SM, to leave room for the neighbouring kernels' blocks, measured slower: 1B 897 against 923.)
+fn tma_grid(dev: &candle_core::cuda_backend::CudaDevice, n: usize, smem: usize) -> Result<u32> {
     use candle_core::cuda_backend::cudarc::driver::sys;
     use candle_core::cuda_backend::WrapErr;
     static READY: std::sync::Mutex<Vec<(usize, i32)>> = std::sync::Mutex::new(Vec::new());
@@ -451,14 +451,6 @@ fn tma_grid(dev: &candle_core::cuda_backend::CudaDevice, n: usize, k: usize, sme
     let most = *MOST.get_or_init(|| {
         std::env::var("FERROLM_CUDA_GEMV_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).filter(|&b| b > 0).unwrap_or(3)
     });
-    static SMALL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let small = *SMALL.get_or_init(|| {
-        std::env::var("FERROLM_CUDA_GEMV_SMALL_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).filter(|&b| b > 0)
-    });
-    let most = match small {
-        Some(b) if n * k * 2 <= 16 << 20 => b,
-        _ => most,
-    };
     let per_sm = (SM_SMEM / (smem + SMEM_PER_BLOCK_RESERVED)).clamp(1, most);
     Ok((per_sm * sms.max(1) as usize).min(n.div_ceil(8)) as u32)
 }

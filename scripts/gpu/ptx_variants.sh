@@ -9,10 +9,13 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 eval "$(bash ../shared/gpu/cuda-toolchain.sh)"
 mkdir -p gpu-carry/ptx
+# The same nvcc arguments as crates/backend/build.rs, plus the variant's switches.
+pids=()
 for spec in "$@"; do
   name=${spec%%=*} flags=${spec#*=}
   nvcc --ptx -O3 -std=c++17 -arch=sm_90 ${flags//,/ } crates/backend/src/cuda/kernels.cu -o "gpu-carry/ptx/$name.ptx" &
+  pids+=($!)
 done
-wait
+for pid in "${pids[@]}"; do wait "$pid"; done  # a failed variant fails the script
 xz -T2 -f gpu-carry/ptx/*.ptx
 ls -l gpu-carry/ptx

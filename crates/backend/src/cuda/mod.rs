@@ -215,8 +215,8 @@ macro_rules! launch {
 
 /// Launches `f` on the device's stream with `params` (pointers to each argument). With
 /// `FERROLM_CUDA_PDL=1` the launch allows programmatic dependent launch: the kernel may be
-/// scheduled while the previous one drains, and waits (`griddepcontrol.wait`, the first thing
-/// every kernel in kernels.cu does) before touching memory, hiding the launch gap between the
+/// scheduled while the previous one drains, and waits (`griddepcontrol.wait`, in the prologue
+/// every kernel in kernels.cu starts with) before touching memory, hiding the launch gap between the
 /// short kernels of a decode step.
 ///
 /// # Safety

@@ -280,7 +280,7 @@ __device__ __forceinline__ void attention_phase(const DecodeLayer& L) {
   const bf16* v_new = k_new + (size_t)L.hkv * D;
   for (int it = gg; it < nitems; it += ng) {
     long long t0 = clock64();
-    attn_item<bf16, D, MG>(L.qkv, L.kc, L.vc, L.cos_t, L.sin_t, qpos, G, L.head_stride, 0, L.s_max, L.window, L.scale,
+    attn_item<bf16, D, MG, LAYER_MERGE_BATCH>(L.qkv, L.kc, L.vc, L.cos_t, L.sin_t, qpos, G, L.head_stride, 0, L.s_max, L.window, L.scale,
                            L.softcap, L.interleaved, L.part_m, L.part_l, L.part_acc, k_new, v_new, L.counters, L.attn,
                            it % L.hkv, it / L.hkv, L.nsplit, AttnGroup{gtid, 1 + grp}, S[grp], [] {});
     if (L.clocks && gtid == 0) {

@@ -563,13 +563,19 @@ __device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const f
 // Merges the splits of kv head h's G query heads into out [hq, D] (run by the last block of the
 // head to finish). Partials are read past L1 (other blocks wrote them). The merge sits on the
 // step's critical path after the slowest chunk, so it is one pass of independent loads: each
-// thread takes a (head, 4 outputs) pair and every share-th split, loads MERGE_BATCH splits' max,
-// sum and values at once, and folds them in with an online softmax; the `share` lanes of a pair
-// then combine theirs by shuffles. Splits with no visible key (max -inf) wrote no values: they are
-// skipped, their garbage never multiplied. (Batches of 16 measured no faster than 8.)
+// thread takes a (head, 4 outputs) pair and every share-th split, loads B splits' max, sum and
+// values at once, and folds them in with an online softmax; the `share` lanes of a pair then
+// combine theirs by shuffles. Splits with no visible key (max -inf) wrote no values: they are
+// skipped, their garbage never multiplied.
+//
+// B is the number of dependent rounds that matters, not the load count: with 18 the 1B's merge
+// after a 2k prompt (34 splits, 17 per thread) is one round instead of three: +1.4% decode on an
+// H100 (8B +1.1%, two rounds instead of five), bit-identical tokens; 16 (two rounds) gained
+// nothing. The decode-layer kernel keeps 8 (its register budget: 18 spills there).
 #ifndef MERGE_BATCH
-#define MERGE_BATCH 8
+#define MERGE_BATCH 18
 #endif
+#define LAYER_MERGE_BATCH 8
 __device__ __forceinline__ float4 fma4(float4 a, float s, float4 b, float t) {
   return make_float4(a.x * s + b.x * t, a.y * s + b.y * t, a.z * s + b.z * t, a.w * s + b.w * t);
 }
@@ -583,7 +589,7 @@ __device__ __forceinline__ void merge_into(float& M, float& L, float4& A, float 
   L = L * s1 + l * s2;
   M = nm;
 }
-template <typename T, int D>
+template <typename T, int D, int B>
 __device__ void attn_merge(const float* part_m, const float* part_l, const float* part_acc, T* out, int h, int G, int nsplit,
                            const AttnGroup& grp) {
   constexpr int D4 = D / 4;
@@ -598,11 +604,11 @@ __device__ void attn_merge(const float* part_m, const float* part_l, const float
     const float4* pa = reinterpret_cast<const float4*>(part_acc + row * D) + d4;
     float M = -INFINITY, L = 0.f;
     float4 A = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int base = sub; base < nsplit; base += MERGE_BATCH * share) {
-      float m[MERGE_BATCH], l[MERGE_BATCH];
-      float4 a[MERGE_BATCH];
+    for (int base = sub; base < nsplit; base += B * share) {
+      float m[B], l[B];
+      float4 a[B];
 #pragma unroll
-      for (int b = 0; b < MERGE_BATCH; b++) {
+      for (int b = 0; b < B; b++) {
         int s = base + b * share;
         bool in = s < nsplit;
         m[b] = in ? __ldcg(part_m + row + s) : -INFINITY;
@@ -610,7 +616,7 @@ __device__ void attn_merge(const float* part_m, const float* part_l, const float
         a[b] = in ? __ldcg(pa + (size_t)s * D4) : make_float4(0.f, 0.f, 0.f, 0.f);
       }
 #pragma unroll
-      for (int b = 0; b < MERGE_BATCH; b++)
+      for (int b = 0; b < B; b++)
         if (m[b] != -INFINITY) merge_into(M, L, A, m[b], l[b], a[b]);
     }
     for (int o = 1; o < share; o <<= 1) {
@@ -631,8 +637,8 @@ __device__ void attn_merge(const float* part_m, const float* part_l, const float
 }
 
 // One (kv head h, split) item: the chunk, then, if this is the last of head h's items to finish,
-// the merge. Every thread of the group must call it.
-template <typename T, int D, int MG, typename Wait>
+// the merge (B splits per round). Every thread of the group must call it.
+template <typename T, int D, int MG, int B, typename Wait>
 __device__ void attn_item(const T* q, T* kc, T* vc, const float* cos_t, const float* sin_t, long qpos, int G,
                           long head_stride, int key_start, int s_max, int window, float scale, float softcap,
                           int interleaved, float* part_m, float* part_l, float* part_acc, const T* k_new, const T* v_new,
@@ -655,7 +661,7 @@ __device__ void attn_item(const T* q, T* kc, T* vc, const float* cos_t, const fl
   bool last = S.last;
   grp.sync();  // S.last is read by all before the group's next item may overwrite it
   if (!last) return;
-  attn_merge<T, D>(part_m, part_l, part_acc, out, h, G, nsplit, grp);
+  attn_merge<T, D, B>(part_m, part_l, part_acc, out, h, G, nsplit, grp);
   if (grp.tid == 0) counters[h] = 0u;
 }
 
@@ -670,7 +676,7 @@ __device__ void attn_decode(const T* q, T* kc, T* vc, const float* cos_t, const 
   TL_DECL
   __shared__ AttnShared<D, MG> S;
   long qpos = (long)read_pos(pos_ptr, pos_host);
-  attn_item<T, D, MG>(q, kc, vc, cos_t, sin_t, qpos, G, head_stride, key_start, s_max, window, scale, softcap, interleaved,
+  attn_item<T, D, MG, MERGE_BATCH>(q, kc, vc, cos_t, sin_t, qpos, G, head_stride, key_start, s_max, window, scale, softcap, interleaved,
                       part_m, part_l, part_acc, k_new, v_new, counters, out, blockIdx.x, blockIdx.y, gridDim.y,
                       AttnGroup{(int)threadIdx.x, 0}, S, [&] {
                         pdl_prologue();

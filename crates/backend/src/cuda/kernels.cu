@@ -568,10 +568,10 @@ __device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const f
 // combine theirs by shuffles. Splits with no visible key (max -inf) wrote no values: they are
 // skipped, their garbage never multiplied.
 //
-// B is the number of dependent rounds that matters, not the load count: with 18 the 1B's merge
-// after a 2k prompt (34 splits, 17 per thread) is one round instead of three: +1.4% decode on an
-// H100 (8B +1.1%, two rounds instead of five), bit-identical tokens; 16 (two rounds) gained
-// nothing. The decode-layer kernel keeps 8 (its register budget: 18 spills there).
+// B sets the number of dependent rounds of loads, and the rounds are what costs: with 18 the
+// 1B's merge after a 2k prompt (34 splits, 17 per thread) is one round instead of three, +1.4%
+// decode on an H100 (8B +1.1%, two rounds instead of five), bit-identical tokens; 16 (two rounds)
+// gained nothing. The decode-layer kernel keeps 8 (its register budget: 18 spills there).
 #ifndef MERGE_BATCH
 #define MERGE_BATCH 18
 #endif

@@ -101,6 +101,16 @@ __device__ void head_argmax(unsigned* am, unsigned* dst, unsigned* advance, unsi
   }
 }
 
+// Rounds of rows whose residual is loaded early (gemv_tma): two cover the 1B's and 8B's O and
+// down products over three blocks per SM (6 and 11 rows per block). -DRES_EARLY=0: the load at
+// each row's end. Measured on an H100 (2026-12-06, same tokens), 1B after a 2k prompt: together
+// with kernels.cu's FL_NORM_REG 968.0 / 968.2 against 958.5 / 958.8 tok/s for neither (+1.0%;
+// 8B +0.4%); FL_NORM_REG alone 962.6 / 963.3; this alone, with the norm staged through shared
+// memory, 950.7 / 950.8 (slower): keep the two together.
+#ifndef RES_EARLY
+#define RES_EARLY 2
+#endif
+
 template <int NS>
 __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float eps, int pro, const bf16* w, const bf16* res,
                          void* out, int N, int K, int mode, unsigned* am, unsigned* am_dst, unsigned* am_advance,
@@ -144,6 +154,16 @@ __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float e
   NormPre pre = preload_norm(nw, pro, K);
   pdl_prologue();
   TL_MARK(1)
+  // The residuals of this warp's rows in its first RES_EARLY rounds, loaded right after the wait
+  // beside x's loads, so that they are in registers when the rows end instead of costing one more
+  // L2 round trip at the block's tail (res comes from an earlier kernel of the chain: not before
+  // the wait). Kept raw, converted where used.
+  bf16 res_early[RES_EARLY > 0 ? RES_EARLY : 1];
+#pragma unroll
+  for (int u = 0; u < RES_EARLY; u++) {
+    int n = r0 + u * ROWS + warp;
+    if (res && lane == 0 && n < r1) res_early[u] = res[n];
+  }
   stage_input(x, x2, nw, pre, eps, pro, K, xs);  // ends with a barrier: the mbarriers are initialized
   TL_MARK(2)
   float acc = 0.f, gate = 0.f;
@@ -166,7 +186,16 @@ __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float e
         acc = warp_sum(acc);
         if (!pair) {
           if (lane == 0) {
-            float v = round_bf16(res ? __bfloat162float(res[n]) + round_bf16(acc) : acc);
+            float v = round_bf16(acc);
+            if (res) {
+              bf16 r;
+              bool early = false;
+#pragma unroll
+              for (int u = 0; u < RES_EARLY; u++)
+                if (round == u) r = res_early[u], early = true;
+              if (!early) r = res[n];  // a row past the early rounds
+              v = round_bf16(__bfloat162float(r) + v);
+            }
             if (mode != GEMV_OUT_F32) y[n] = __float2bfloat16(v);
             else static_cast<float*>(out)[n] = v;
             if (argmax_better(v, n, best, best_row)) best = v, best_row = n;

@@ -104,9 +104,9 @@ __device__ void head_argmax(unsigned* am, unsigned* dst, unsigned* advance, unsi
 // Rounds of rows whose residual is loaded early (gemv_tma): two cover the 1B's and 8B's O and
 // down products over three blocks per SM (6 and 11 rows per block). -DRES_EARLY=0: the load at
 // each row's end. Measured on an H100 (2026-12-06, same tokens), 1B after a 2k prompt: together
-// with kernels.cu's FL_NORM_REG 968.0 / 968.2 against 958.5 / 958.8 tok/s for neither (+1.0%;
-// 8B +0.4%); FL_NORM_REG alone 962.6 / 963.3; this alone, with the norm staged through shared
-// memory, 950.7 / 950.8 (slower): keep the two together.
+// with stage_input's norm kept in registers 968.0 / 968.2 against 958.5 / 958.8 tok/s for neither
+// (+1.0%; 8B +0.4%); the register norm alone 962.6 / 963.3; this alone, with the norm staged
+// through shared memory (before commit d1adf7c), 950.7 / 950.8 (slower): keep the two together.
 #ifndef RES_EARLY
 #define RES_EARLY 2
 #endif

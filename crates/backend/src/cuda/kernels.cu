@@ -881,12 +881,6 @@ __device__ __forceinline__ uint4 silu_mul8(uint4 g, uint4 u) {
 // block's sum of squares does not wait for another round trip. Later vectors (K > 8 * NORM_PRE *
 // blockDim) read theirs in place.
 #define NORM_PRE 2
-// FL_NORM_REG 1: stage_input's RMSNorm keeps those vectors of x in registers and reduces with one
-// barrier (block_sum_all), bit-identical to the staging through shared memory (0). With
-// gemv_tma's early residuals, +1.0% decode on the 1B (H100; figures at RES_EARLY).
-#ifndef FL_NORM_REG
-#define FL_NORM_REG 1
-#endif
 struct NormPre {
   float4 w[NORM_PRE][2];
 };
@@ -909,9 +903,10 @@ __device__ void stage_input(const bf16* x, const bf16* x2, const float* nw, cons
   int nv = K / 8;
   const uint4* xg = reinterpret_cast<const uint4*>(x);
   if (pro == 1) {
-#if FL_NORM_REG
     // The first NORM_PRE vectors of each thread stay in registers (all of x for K <= 4096 at 256
-    // threads): their loads go out together, and no raw copy goes through shared memory.
+    // threads): their loads go out together, no raw copy goes through shared memory, and the
+    // reduction takes one barrier. Bit-identical to staging x raw and normalizing it in place;
+    // with gemv_tma's early residuals +1.0% 1B decode on an H100 (figures at RES_EARLY).
     uint4 xv[NORM_PRE];
 #pragma unroll
     for (int u = 0; u < NORM_PRE; u++) {
@@ -934,22 +929,6 @@ __device__ void stage_input(const bf16* x, const bf16* x2, const float* nw, cons
       int i = threadIdx.x + u * blockDim.x;
       if (i < nv) xs[i] = norm8(xv[u], inv, pre.w[u][0], pre.w[u][1]);
     }
-#else
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < nv; i += blockDim.x) {
-      uint4 v = xg[i];
-      xs[i] = v;
-      ss = sumsq8(v, ss);
-    }
-    ss = block_sum(ss);
-    float inv = rsqrtf(ss / (float)K + eps);
-    // Each thread rewrites only the vectors it stored.
-#pragma unroll
-    for (int u = 0; u < NORM_PRE; u++) {
-      int i = threadIdx.x + u * blockDim.x;
-      if (i < nv) xs[i] = norm8(xs[i], inv, pre.w[u][0], pre.w[u][1]);
-    }
-#endif
     const float4* wv = reinterpret_cast<const float4*>(nw);
     for (int i = threadIdx.x + NORM_PRE * blockDim.x; i < nv; i += blockDim.x) xs[i] = norm8(xs[i], inv, wv[2 * i], wv[2 * i + 1]);
   } else if (pro == 2) {

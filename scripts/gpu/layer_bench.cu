@@ -71,8 +71,6 @@ static bool g_swiglu = false;            // TMA gate|up with the SwiGLU epilogue
 static int g_qkv_bps = 0;                // > 0: the QKV product's own TMA blocks per SM
 static bool g_no_merge = false;          // timing only: attention without its split merge
 static bool g_fit_stages = false;        // TMA blocks get only the stage buffers their rows need
-static int g_merge_o = 0;                // > 0: the O product merges the attention's splits (blocks per SM)
-static int g_cluster = 0;                // > 0: the next launch's cluster size
 // A cooperative launch (all blocks resident: the decode-layer kernel's grid barriers) when coop.
 template <typename... P, typename... A>
 void launch_ex(bool coop, void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, A... args) {
@@ -81,7 +79,7 @@ void launch_ex(bool coop, void (*k)(P...), dim3 grid, dim3 block, size_t smem, c
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = st;
-  cudaLaunchAttribute at[3];
+  cudaLaunchAttribute at[2];
   int n = 0;
   if (g_pdl) {
     at[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -90,12 +88,6 @@ void launch_ex(bool coop, void (*k)(P...), dim3 grid, dim3 block, size_t smem, c
   if (coop) {
     at[n].id = cudaLaunchAttributeCooperative;
     at[n++].val.cooperative = 1;
-  }
-  if (g_cluster > 0) {
-    at[n].id = cudaLaunchAttributeClusterDimension;
-    at[n].val.clusterDim.x = g_cluster;
-    at[n].val.clusterDim.y = 1;
-    at[n++].val.clusterDim.z = 1;
   }
   cfg.attrs = at;
   cfg.numAttrs = n;
@@ -188,8 +180,6 @@ int main(int argc, char** argv) {
   // g_tma_ns > 0 fl_gemv_tma<g_tma_ns>_bf16 on g_tma_bps blocks per SM (at most one per 8 rows).
   for (auto f : {fl_gemv_tma2_bf16, fl_gemv_tma3_bf16})
     CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, 220 * 1024));
-  auto merge_o_kernel = D == 64 ? fl_gemv_tma2_merge_d64_bf16 : fl_gemv_tma2_merge_d128_bf16;
-  CK(cudaFuncSetAttribute(merge_o_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 220 * 1024));
   auto gemv = [&](cudaStream_t st, const bf16* a, const bf16* a2, const float* nw, int pro, const bf16* w, const bf16* res,
                   bf16* out, int n, int k) {
     if (g_tma_ns > 0) {
@@ -208,17 +198,8 @@ int main(int argc, char** argv) {
     gemv(st, x, nullptr, y.n1, 1, y.wqkv, nullptr, qkv, NQKV, H);
     g_tma_bps = bps;
     launch(attn_kernel, dim3(HKV, nsplit), ATTN_THREADS, 0, st, qkv, y.kc, y.vc, cos_t, sin_t, pos, 0u, G, (long)cap * D, 0,
-           cap, 0, scale, 0.f, 0, pm, pl, pa, qkv + HQ * D, qkv + (HQ + HKV) * D, g_no_merge ? cnt_never : cnt,
-           g_merge_o ? nullptr : attn);
-    if (g_merge_o) {
-      int blocks = std::min((H + 7) / 8, g_merge_o * sms) / HKV * HKV;
-      g_cluster = HKV;
-      launch(merge_o_kernel, blocks, 256, (size_t)2 * 8 * GEMV_BATCH * 16 + HQ * D * 2, st, (const float*)pm, (const float*)pl,
-             (const float*)pa, G, nsplit, (const bf16*)y.wo, (const bf16*)x, xm, H, HQ * D);
-      g_cluster = 0;
-    } else {
-      gemv(st, attn, nullptr, nullptr, 0, y.wo, x, xm, H, HQ * D);
-    }
+           cap, 0, scale, 0.f, 0, pm, pl, pa, qkv + HQ * D, qkv + (HQ + HKV) * D, g_no_merge ? cnt_never : cnt, attn);
+    gemv(st, attn, nullptr, nullptr, 0, y.wo, x, xm, H, HQ * D);
     if (g_swiglu && g_tma_ns > 0) {
       int blocks = std::min(I / 4, g_tma_bps * sms);
       auto f = g_tma_ns == 2 ? fl_gemv_tma2_bf16 : fl_gemv_tma3_bf16;
@@ -316,17 +297,6 @@ int main(int argc, char** argv) {
     for (int i = 0; i < H; i++) d3 += r1[i] != r3[i];
     printf("check: %s: %d of %d outputs differ\n", variant_name(v).c_str(), d3, H);
   }
-  for (int b : {1, 2}) {
-    std::vector<uint16_t> r3(H);
-    g_merge_o = b;
-    bf16* o3 = step(st, code(2, 3, 1, 1));
-    g_merge_o = 0;
-    CK(cudaStreamSynchronize(st));
-    CK(cudaMemcpy(r3.data(), o3, H * 2, cudaMemcpyDeviceToHost));
-    int d3 = 0;
-    for (int i = 0; i < H; i++) d3 += r1[i] != r3[i];
-    printf("check: O merging the splits, %d/SM: %d of %d outputs differ\n", b, d3, H);
-  }
   // Timing: each variant captured once, replayed; rounds alternate. Besides the whole layers,
   // each kernel of the separate variant alone (once per layer, on that layer's weights), a plain
   // streaming read of the same weight bytes, and the separate kernels' variants.
@@ -372,17 +342,6 @@ int main(int argc, char** argv) {
                         step(st, code(2, 3, 1, 1));
                         g_no_merge = false;
                       }});
-  // The O product merging the attention's splits itself (clusters of HKV blocks), on 1 or 2
-  // blocks per SM (its registers allow no more).
-  auto merge_o_name = [&](int b) {
-    return variant_name(code(2, 3, 1, 1)) + ", O merges the splits " + std::to_string(b) + "/SM";
-  };
-  for (int b : {1, 2})
-    variants.push_back({merge_o_name(b), [&, b](cudaStream_t st) {
-                          g_merge_o = b;
-                          step(st, code(2, 3, 1, 1));
-                          g_merge_o = 0;
-                        }});
   // Each product alone, fused (ns 0) and by TMA.
   const int alone_configs[][2] = {{0, 0}, {2, 2}, {2, 3}};
   for (auto& c : alone_configs) {
@@ -434,10 +393,10 @@ int main(int argc, char** argv) {
   // per kernel of a layer (mean over the middle layers, µs), when its first block started
   // before the previous kernel's last block ended ("early"), the gap from that end to the wait's
   // release ("gap"), the input staging after the release, and the release-to-last-block-end time.
-  for (std::string vname : {variant_name(code(2, 3, 1, 1)), merge_o_name(1), merge_o_name(2)}) {
+  for (int v : {code(2, 3, 1), code(2, 3, 1, 1), code(2, 2, 1, 1)}) {
     int vi = -1;
     for (int i = 0; i < NV; i++)
-      if (variants[i].name == vname) vi = i;
+      if (variants[i].name == variant_name(v)) vi = i;
     if (vi < 0) continue;
     const unsigned cap_rec = 1 << 20;
     TlRecord* buf;
@@ -472,7 +431,7 @@ int main(int argc, char** argv) {
       c.end = std::max(c.end, x.t[3]);
       c.staging.push_back((x.t[2] - x.t[1]) / 1e3);
     }
-    printf("timeline of '%s': %u records, %zu kernels (expect %d)\n", vname.c_str(), n, in.size(), 5 * L);
+    printf("timeline of '%s': %u records, %zu kernels (expect %d)\n", variant_name(v).c_str(), n, in.size(), 5 * L);
     if ((int)in.size() != 5 * L) continue;
     const char* kn[5] = {"norm+qkv", "attention", "o+residual", "norm+gate|up", "silu+down+res"};
     double sum_all = 0;

@@ -116,46 +116,9 @@ pub fn append_and_attend(s: &StaticStep<'_>) -> Result<Tensor> {
     attend_at(&q, s.cache_k, s.cache_v, s.pos, s.params)
 }
 
-/// [`append_and_attend`] followed by the output product and the residual add, `residual +
-/// o(attention)`, where the backend does both in its own way (CUDA: the O product merges the
-/// attention's splits, see `cuda::ops::attend_decode_project`); None (nothing run) elsewhere.
-pub fn append_attend_project(s: &StaticStep<'_>, o: &crate::Linear, residual: &Tensor) -> Result<Option<Tensor>> {
-    #[cfg(feature = "cuda")]
-    if let (Device::Cuda(_), Some(w)) = (s.q.device(), o.dense_weight()) {
-        let (q, k, v) = (s.q.contiguous()?, s.k.contiguous()?, s.v.contiguous()?);
-        let (cos, sin, interleaved) = s.rope.tables()?;
-        let a = cuda_decode_attention(s, &q, &k, &v, crate::cuda::ops::RopeTables { cos, sin, interleaved });
-        return crate::cuda::ops::attend_decode_project(&a, w, residual);
-    }
-    let _ = (s, o, residual);
-    Ok(None)
-}
-
-/// The CUDA decode attention of a static step: q (contiguous) over the whole cache buffers,
-/// rotated and appending the step's k and v at the device position.
-#[cfg(feature = "cuda")]
-fn cuda_decode_attention<'a>(
-    s: &StaticStep<'a>,
-    q: &'a Tensor,
-    k: &'a Tensor,
-    v: &'a Tensor,
-    tables: crate::cuda::ops::RopeTables<'a>,
-) -> crate::cuda::ops::DecodeAttention<'a> {
-    crate::cuda::ops::DecodeAttention {
-        q,
-        k: s.cache_k,
-        v: s.cache_v,
-        rope: Some(tables),
-        pos: crate::cuda::Pos::Device(s.pos),
-        key_start: 0,
-        params: s.params,
-        append: Some((k, v)),
-    }
-}
-
 #[cfg(feature = "cuda")]
 fn append_and_attend_cuda(s: &StaticStep<'_>) -> Result<Option<Tensor>> {
-    use crate::cuda::ops::{attend_decode, kv_append, RopeTables};
+    use crate::cuda::ops::{attend_decode, kv_append, DecodeAttention, RopeTables};
     use crate::cuda::Pos;
     if !matches!(s.q.device(), Device::Cuda(_)) {
         return Ok(None);
@@ -163,7 +126,16 @@ fn append_and_attend_cuda(s: &StaticStep<'_>) -> Result<Option<Tensor>> {
     let (cos, sin, interleaved) = s.rope.tables()?;
     let tables = RopeTables { cos, sin, interleaved };
     let (q, k, v) = (s.q.contiguous()?, s.k.contiguous()?, s.v.contiguous()?);
-    let a = cuda_decode_attention(s, &q, &k, &v, tables);
+    let a = DecodeAttention {
+        q: &q,
+        k: s.cache_k,
+        v: s.cache_v,
+        rope: Some(tables),
+        pos: Pos::Device(s.pos),
+        key_start: 0,
+        params: s.params,
+        append: Some((&k, &v)),
+    };
     if let Some(out) = attend_decode(&a)? {
         return Ok(Some(out));
     }

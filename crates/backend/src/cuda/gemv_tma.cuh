@@ -111,17 +111,6 @@ __device__ void head_argmax(unsigned* am, unsigned* dst, unsigned* advance, unsi
 #define RES_EARLY 2
 #endif
 
-// x' of gemv_fused's prologues: the norm weights read before the wait, x (and x2) after it.
-struct NormStage {
-  const bf16 *x, *x2;
-  const float* nw;
-  float eps;
-  int pro, K;
-  __device__ __forceinline__ NormPre before_wait() const { return preload_norm(nw, pro, K); }
-  // Ends with a block barrier.
-  __device__ __forceinline__ void after_wait(const NormPre& pre, uint4* xs) const { stage_input(x, x2, nw, pre, eps, pro, K, xs); }
-};
-
 // Stages issued before the wait for the previous kernel (the rest right after it). All of them:
 // -DPRE_STAGES=1, to leave the memory system freer for the previous kernel's tail and this
 // block's staging, measured slower on an H100 (2026-12-06, same tokens): 1B after a 2k prompt
@@ -129,9 +118,10 @@ struct NormStage {
 #ifndef PRE_STAGES
 #define PRE_STAGES NS
 #endif
-template <int NS, typename Stage>
-__device__ void gemv_tma(const Stage& stage, const bf16* w, const bf16* res, void* out, int N, int K, int mode, unsigned* am,
-                         unsigned* am_dst, unsigned* am_advance, unsigned long long* am_mirror) {
+template <int NS>
+__device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float eps, int pro, const bf16* w, const bf16* res,
+                         void* out, int N, int K, int mode, unsigned* am, unsigned* am_dst, unsigned* am_advance,
+                         unsigned long long* am_mirror) {
   bool pair = mode == GEMV_OUT_SWIGLU;
   bf16* y = static_cast<bf16*>(out);
   TL_DECL
@@ -168,7 +158,7 @@ __device__ void gemv_tma(const Stage& stage, const bf16* w, const bf16* res, voi
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     for (int s = 0; s < PRE_STAGES; s++) issue(s);
   }
-  auto pre = stage.before_wait();
+  NormPre pre = preload_norm(nw, pro, K);
   pdl_prologue();
   if (threadIdx.x == 0)
     for (int s = PRE_STAGES; s < NS; s++) issue(s);
@@ -183,7 +173,7 @@ __device__ void gemv_tma(const Stage& stage, const bf16* w, const bf16* res, voi
     int n = r0 + u * ROWS + warp;
     if (res && lane == 0 && n < r1) res_early[u] = res[n];
   }
-  stage.after_wait(pre, xs);  // ends with a barrier: the mbarriers are initialized
+  stage_input(x, x2, nw, pre, eps, pro, K, xs);  // ends with a barrier: the mbarriers are initialized
   TL_MARK(2)
   float acc = 0.f, gate = 0.f;
   float best = -INFINITY;  // head_argmax: lane 0's best row of its warp
@@ -244,80 +234,7 @@ __device__ void gemv_tma(const Stage& stage, const bf16* w, const bf16* res, voi
   extern "C" __global__ void __launch_bounds__(256) fl_gemv_tma##NS##_bf16(                                         \
       const bf16* x, const bf16* x2, const float* nw, float eps, int pro, const bf16* w, const bf16* res, void* y, \
       int N, int K, int mode, unsigned* am, unsigned* am_dst, unsigned* am_advance, unsigned long long* am_mirror) { \
-    gemv_tma<NS>(NormStage{x, x2, nw, eps, pro, K}, w, res, y, N, K, mode, am, am_dst, am_advance, am_mirror);      \
+    gemv_tma<NS>(x, x2, nw, eps, pro, w, res, y, N, K, mode, am, am_dst, am_advance, am_mirror);                    \
   }
 GEMV_TMA(2)  // the engine's (ops.rs); 3 stages measured no faster (2 blocks per SM, 1B and 8B shapes)
 GEMV_TMA(3)
-
-// ---------------------------------------------------------------------------------------------
-// The O product with the decode attention's split merge as its input staging. The attention
-// (fl_attn_* with no output) leaves each (query head, split)'s max, sum and weighted values in
-// the partial buffers; this product's blocks form clusters of hkv blocks (one per kv head), and
-// block rank h merges kv head h's splits exactly as attn_merge does, into its slice of x', then
-// stores that slice into the other blocks' x' through distributed shared memory. Every block
-// then has the whole attention output and runs gemv_tma's rows unchanged: bit-identical to the
-// attention's own merge followed by the product.
-//
-// Why: the attention's merge ran on the last block of each head to finish, behind an
-// acquire-release counter and a round of L2 loads, so the step waited on the slowest chunk plus
-// two dependent L2 round trips before the O product's grid could start staging. Here the
-// partials' loads are the O product's staging round trip, and the counter goes away.
-// The merge's splits per round of loads here: the fold order does not depend on it (the same
-// sums as the attention's 18), but 18 spills at two blocks per SM.
-#ifndef MERGE_O_BATCH
-#define MERGE_O_BATCH 9
-#endif
-// The threads that merge: the attention's 128 give the attention's own fold order (bit-identical
-// outputs); 256 (-DMERGE_O_THREADS=256) halve each thread's splits.
-#ifndef MERGE_O_THREADS
-#define MERGE_O_THREADS ATTN_THREADS
-#endif
-#ifndef MERGE_O_MIN_BLOCKS
-#define MERGE_O_MIN_BLOCKS 2
-#endif
-template <int D>
-struct MergeStage {
-  const float *m, *l, *acc;
-  int G, nsplit;
-  // Arrives on the cluster barrier before the wait: when a block later waits on it, every block
-  // of its cluster has started, so their shared memory may be written.
-  __device__ __forceinline__ int before_wait() const {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-    return 0;
-  }
-  // Ends with a cluster barrier (every block's slices written and visible).
-  __device__ __forceinline__ void after_wait(int, uint4* xs) const {
-    unsigned rank, size;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(size));
-    if (threadIdx.x < MERGE_O_THREADS)
-      attn_merge<bf16, D, MERGE_O_BATCH, MERGE_O_THREADS>(m, l, acc, reinterpret_cast<bf16*>(xs), (int)rank, G, nsplit,
-                                                          AttnGroup{(int)threadIdx.x, 0});
-    __syncthreads();  // this block's slice is in xs
-    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-    int slice = G * D / 8;  // 16-byte vectors of one kv head's outputs
-    for (int i = threadIdx.x; i < slice * (int)(size - 1); i += blockDim.x) {
-      unsigned dst = (rank + 1 + i / slice) % size;
-      int off = (int)rank * slice + i % slice;
-      uint4 v = xs[off];
-      unsigned remote;
-      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(xs + off)), "r"(dst));
-      asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(remote), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                   : "memory");
-    }
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-  }
-};
-
-// Launched with a cluster of hkv blocks (hkv = K / (G·D)) and a grid a multiple of it; the
-// dynamic shared memory of fl_gemv_tma2_bf16. Two blocks per SM: the merge's batch of loads
-// needs the registers.
-#define GEMV_TMA_MERGE(D)                                                                                          \
-  extern "C" __global__ void __launch_bounds__(256, MERGE_O_MIN_BLOCKS) fl_gemv_tma2_merge_d##D##_bf16(                            \
-      const float* pm, const float* pl, const float* pa, int G, int nsplit, const bf16* w, const bf16* res, bf16* y, \
-      int N, int K) {                                                                                              \
-    gemv_tma<2>(MergeStage<D>{pm, pl, pa, G, nsplit}, w, res, y, N, K, GEMV_OUT_BF16, nullptr, nullptr, nullptr,     \
-                nullptr);                                                                                          \
-  }
-GEMV_TMA_MERGE(64)
-GEMV_TMA_MERGE(128)

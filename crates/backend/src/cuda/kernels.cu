@@ -601,18 +601,16 @@ __device__ __forceinline__ void merge_into(float& M, float& L, float4& A, float 
   L = L * s1 + l * s2;
   M = nm;
 }
-// THREADS: the threads that call it (tid 0 .. THREADS-1); more threads share each pair's splits,
-// which changes the fold order (the sums' last bits).
-template <typename T, int D, int B, int THREADS = ATTN_THREADS>
+template <typename T, int D, int B>
 __device__ void attn_merge(const float* part_m, const float* part_l, const float* part_acc, T* out, int h, int G, int nsplit,
                            const AttnGroup& grp) {
   constexpr int D4 = D / 4;
   int tid = grp.tid;
   int pairs = G * D4;
   int share = 1;  // a power of two, so that the shares of a pair are aligned lanes (full warps)
-  while (2 * share * pairs <= THREADS) share *= 2;
+  while (2 * share * pairs <= ATTN_THREADS) share *= 2;
   int sub = tid % share;
-  for (int pair = tid / share; pair < pairs; pair += THREADS / share) {
+  for (int pair = tid / share; pair < pairs; pair += ATTN_THREADS / share) {
     int g = pair / D4, d4 = pair % D4;
     size_t row = (size_t)(h * G + g) * nsplit;
     const float4* pa = reinterpret_cast<const float4*>(part_acc + row * D) + d4;
@@ -660,8 +658,6 @@ __device__ void attn_item(const T* q, T* kc, T* vc, const float* cos_t, const fl
                           AttnShared<D, MG>& S, Wait wait) {
   attn_chunk<T, D, MG>(q, kc, vc, cos_t, sin_t, qpos, G, head_stride, key_start, s_max, window, scale, softcap, interleaved,
                    k_new, v_new, part_m, part_l, part_acc, h, split, nsplit, grp, S, wait);
-  // No output: the O product merges the partials itself (fl_gemv_tma2_merge_*).
-  if (!out) return;
   // One acquire-release atomic by the group's thread 0 after the barrier: release publishes
   // every thread's partials (the barrier orders them before it; PTX release is cumulative),
   // acquire makes the other items' partials visible to the merge (ordered for the other threads

@@ -83,9 +83,6 @@ pub struct Policy {
     /// Prefill attention through the flash kernel (`FERROLM_CUDA_FLASH=0`: the masked-softmax
     /// composition).
     pub flash_prefill: bool,
-    /// The decode attention's split merge inside the O product's input staging (clusters of
-    /// kv-head blocks, `fl_gemv_tma2_merge_*`); `FERROLM_CUDA_MERGE_O=0`: the attention merges.
-    pub merge_o: bool,
 }
 
 pub fn policy() -> Policy {
@@ -100,8 +97,7 @@ pub fn policy() -> Policy {
         let layer_kernel = gemv && std::env::var("FERROLM_CUDA_LAYER").is_ok_and(|v| v == "1");
         let head_argmax = gemv && !off("FERROLM_CUDA_HEAD_ARGMAX");
         let flash_prefill = kernels && !off("FERROLM_CUDA_FLASH");
-        let merge_o = gemv && !off("FERROLM_CUDA_MERGE_O");
-        Policy { kernels, gemv, gemv_smem: kernels && smem, masked_softmax: kernels && softmax, pdl, layer_kernel, head_argmax, flash_prefill, merge_o }
+        Policy { kernels, gemv, gemv_smem: kernels && smem, masked_softmax: kernels && softmax, pdl, layer_kernel, head_argmax, flash_prefill }
     })
 }
 
@@ -236,7 +232,7 @@ pub(crate) unsafe fn launch_raw(
     use candle_core::cuda_backend::WrapErr;
     let stream = dev.cuda_stream();
     stream.context().bind_to_thread().w()?;
-    let mut attrs: [sys::CUlaunchAttribute; 3] = std::mem::zeroed();
+    let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
     let mut n = 0;
     // A cooperative kernel never waits for its predecessor (griddepcontrol): no early launch.
     let cooperative = COOPERATIVE.with(|c| c.replace(false));
@@ -248,14 +244,6 @@ pub(crate) unsafe fn launch_raw(
     if cooperative {
         attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
         attrs[n].value.cooperative = 1;
-        n += 1;
-    }
-    let cluster = CLUSTER.with(|c| c.replace(0));
-    if cluster > 0 {
-        attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-        attrs[n].value.clusterDim.x = cluster;
-        attrs[n].value.clusterDim.y = 1;
-        attrs[n].value.clusterDim.z = 1;
         n += 1;
     }
     let cfg = sys::CUlaunchConfig {
@@ -278,15 +266,6 @@ thread_local! {
     static SMEM: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
     /// Whether the next `launch!` on this thread is cooperative (set by `cooperatively`).
     static COOPERATIVE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-    /// The thread-block cluster size of the next `launch!` on this thread (0: none; set by
-    /// `in_clusters`).
-    static CLUSTER: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
-}
-
-/// Makes the next `launch!` on this thread group its blocks in clusters of `size` (the grid a
-/// multiple of it): they are co-scheduled and may write each other's shared memory.
-pub(crate) fn in_clusters(size: u32) {
-    CLUSTER.with(|c| c.set(size));
 }
 
 /// Makes the next `launch!` on this thread cooperative: all its blocks are resident at once (or

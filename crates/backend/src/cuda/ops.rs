@@ -151,74 +151,6 @@ pub struct DecodeAttention<'a> {
 }
 
 pub fn attend_decode(a: &DecodeAttention<'_>) -> Result<Option<Tensor>> {
-    let Some(dev) = cuda_device(a.q) else { return Ok(None) };
-    let Ok((_, hq, d)) = a.q.dims3() else { return Ok(None) };
-    let out = alloc(&dev, (1, hq * d), a.q.dtype())?;
-    Ok(attend_decode_into(a, Some(&out))?.map(|_| out))
-}
-
-/// The decode attention's per-split results, left unmerged for the O product: each (query
-/// head, split)'s max, sum and weighted values (the f32 buffers `fl_attn_*` writes).
-struct AttentionPartials {
-    m: Tensor,
-    l: Tensor,
-    acc: Tensor,
-    heads: usize,
-    kv_heads: usize,
-    nsplit: usize,
-}
-
-/// [`attend_decode`] and the output product `residual + W·attention` in two kernels, the
-/// attention's splits merged in the product's own input staging (`fl_gemv_tma2_merge_d*`,
-/// clusters of one block per kv head): bit-identical to [`attend_decode`] followed by
-/// [`gemv_fused`] with a plain input and the residual. `w [N, heads·dim]` bf16, `residual
-/// [1, N]`; returns `[1, N]`. None, with nothing launched, where the kernels do not apply
-/// (not bf16, head size other than 64 or 128, more than 8 kv heads) or `FERROLM_CUDA_MERGE_O=0`.
-pub fn attend_decode_project(a: &DecodeAttention<'_>, w: &Tensor, residual: &Tensor) -> Result<Option<Tensor>> {
-    let (Ok((_, hq, d)), Ok((hkv, _, _)), Ok((n, k))) = (a.q.dims3(), a.k.dims3(), w.dims2()) else { return Ok(None) };
-    let Some(dev) = cuda_device(residual) else { return Ok(None) };
-    let ok = policy().merge_o
-        && gemv_variant() == GemvVariant::Tma
-        && a.q.dtype() == DType::BF16
-        && matches!(d, 64 | 128)
-        && hkv > 0
-        && hkv <= MERGE_MAX_CLUSTER
-        && hq % hkv == 0
-        && w.dtype() == DType::BF16
-        && w.is_contiguous()
-        && ptr(w)? % 16 == 0
-        && residual.dtype() == DType::BF16
-        && residual.is_contiguous()
-        && residual.elem_count() == n
-        && k == hq * d
-        && k * 2 <= TMA_MAX_SMEM - TMA_STAGES * TMA_STAGE_BYTES;
-    if !ok {
-        return Ok(None);
-    }
-    let name = if d == 64 { "fl_gemv_tma2_merge_d64_bf16" } else { "fl_gemv_tma2_merge_d128_bf16" };
-    let smem = TMA_STAGES * TMA_STAGE_BYTES + k * 2;
-    let grid = merge_grid(&dev, name, n, smem, hkv as u32)?;
-    if grid == 0 {
-        return Ok(None);
-    }
-    let Some(parts) = attend_decode_into(a, None)? else { return Ok(None) };
-    let out = alloc(&dev, (1, n), DType::BF16)?;
-    super::with_smem(smem as u32);
-    super::in_clusters(hkv as u32);
-    launch!(
-        dev, name, (grid, 1, 1), 256, ptr(&parts.m)?, ptr(&parts.l)?, ptr(&parts.acc)?,
-        (parts.heads / parts.kv_heads) as i32, parts.nsplit as i32, ptr(w)?, ptr(residual)?, ptr(&out)?, n as i32, k as i32
-    );
-    Ok(Some(out))
-}
-
-/// The largest cluster (kv heads) of [`attend_decode_project`]: the portable cluster size.
-const MERGE_MAX_CLUSTER: usize = 8;
-
-/// Launches the decode attention; with `out` its last block per kv head merges the splits into
-/// it, without it the partials are left for the O product. None, with nothing launched, when the
-/// kernel does not apply.
-fn attend_decode_into(a: &DecodeAttention<'_>, out: Option<&Tensor>) -> Result<Option<AttentionPartials>> {
     let Some((dev, sfx)) = on(a.q) else { return Ok(None) };
     let (Ok((one, hq, d)), Ok((hkv, s, dk))) = (a.q.dims3(), a.k.dims3()) else { return Ok(None) };
     let (ks, vs) = (a.k.stride(), a.v.stride());
@@ -259,11 +191,9 @@ fn attend_decode_into(a: &DecodeAttention<'_>, out: Option<&Tensor>) -> Result<O
     let part_l = alloc(&dev, rows, DType::F32)?;
     let part_acc = alloc(&dev, rows * d, DType::F32)?;
     // Finished-block counters of the in-kernel merge: zero before the first step, and the last
-    // block of each head leaves its counter at zero again (unused without `out`).
-    let counters = match out {
-        Some(_) => ptr(&super::alloc_zeroed_u32(&dev, hkv)?)?,
-        None => 0,
-    };
+    // block of each head leaves its counter at zero again.
+    let counters = super::alloc_zeroed_u32(&dev, hkv)?;
+    let out = alloc(&dev, (1, hq * d), a.q.dtype())?;
     let p = a.params;
     // The instance for at most 4 query heads per kv head: less shared memory (see kernels.cu).
     let g4 = if a.q.dtype() == DType::BF16 && hq / hkv <= 4 { "_g4" } else { "" };
@@ -272,23 +202,9 @@ fn attend_decode_into(a: &DecodeAttention<'_>, out: Option<&Tensor>) -> Result<O
         ptr(a.q)?, ptr(a.k)?, ptr(a.v)?, cp, sp, pp, ph, (hq / hkv) as i32, ks[0] as i64,
         a.key_start as i32, s as i32, p.window.unwrap_or(0) as i32, p.scale,
         p.softcap.unwrap_or(0.0), inter as i32, ptr(&part_m)?, ptr(&part_l)?, ptr(&part_acc)?,
-        kn, vn, counters, out.map_or(Ok(0), ptr)?
+        kn, vn, ptr(&counters)?, ptr(&out)?
     );
-    Ok(Some(AttentionPartials { m: part_m, l: part_l, acc: part_acc, heads: hq, kv_heads: hkv, nsplit }))
-}
-
-/// Blocks of an [`attend_decode_project`] product: two per SM (its registers allow no more) where shared
-/// memory allows, at most one per 8 rows, rounded down to whole clusters.
-fn merge_grid(dev: &candle_core::cuda_backend::CudaDevice, name: &'static str, n: usize, smem: usize, cluster: u32) -> Result<u32> {
-    let sms = prepare_tma_kernel(dev, name)?;
-    let per_sm = (SM_SMEM / (smem + SMEM_PER_BLOCK_RESERVED)).clamp(1, merge_blocks_per_sm());
-    let blocks = (per_sm * sms).min(n.div_ceil(8)) as u32;
-    Ok(blocks / cluster * cluster)
-}
-
-fn merge_blocks_per_sm() -> usize {
-    static MOST: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MOST.get_or_init(|| std::env::var("FERROLM_CUDA_MERGE_O_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).filter(|&b| b > 0).unwrap_or(2))
+    Ok(Some(out))
 }
 
 /// silu(gate) · up, elementwise.
@@ -511,36 +427,32 @@ const SMEM_PER_BLOCK_RESERVED: usize = 1024;
 
 /// Grid of the bulk-copy product: as many blocks per SM as fit, at most 3 (the best measured on
 /// the 1B shape) or `FERROLM_CUDA_GEMV_BLOCKS_PER_SM`, never more than one block per 8 rows.
-/// (The QKV and O products at 1 block per SM, to leave room for the neighbouring kernels'
-/// blocks, measured slower: 1B 897 against 923.)
+/// Sets the kernel's shared-memory limit once per device. (The QKV and O products at 1 block per
+/// SM, to leave room for the neighbouring kernels' blocks, measured slower: 1B 897 against 923.)
 fn tma_grid(dev: &candle_core::cuda_backend::CudaDevice, n: usize, smem: usize) -> Result<u32> {
-    let sms = prepare_tma_kernel(dev, TMA_KERNEL)?;
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    use candle_core::cuda_backend::WrapErr;
+    static READY: std::sync::Mutex<Vec<(usize, i32)>> = std::sync::Mutex::new(Vec::new());
+    let ordinal = dev.cuda_stream().context().ordinal();
+    let mut ready = READY.lock().unwrap_or_else(|e| e.into_inner());
+    let sms = match ready.iter().find(|(o, _)| *o == ordinal) {
+        Some(&(_, sms)) => sms,
+        None => {
+            let func = dev.get_or_load_custom_func(TMA_KERNEL, super::MODULE, super::ptx()?)?;
+            let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            func.set_attribute(attr, TMA_MAX_SMEM as i32).map_err(|e| candle_core::Error::Msg(format!("{TMA_KERNEL}: {e:?}")))?;
+            let ctx = dev.cuda_stream().context().clone();
+            let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).w()?;
+            ready.push((ordinal, sms));
+            sms
+        }
+    };
     static MOST: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     let most = *MOST.get_or_init(|| {
         std::env::var("FERROLM_CUDA_GEMV_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).filter(|&b| b > 0).unwrap_or(3)
     });
     let per_sm = (SM_SMEM / (smem + SMEM_PER_BLOCK_RESERVED)).clamp(1, most);
-    Ok((per_sm * sms).min(n.div_ceil(8)) as u32)
-}
-
-/// Sets a bulk-copy kernel's shared-memory limit, once per device and kernel; returns the
-/// device's SM count.
-fn prepare_tma_kernel(dev: &candle_core::cuda_backend::CudaDevice, name: &'static str) -> Result<usize> {
-    use candle_core::cuda_backend::cudarc::driver::sys;
-    use candle_core::cuda_backend::WrapErr;
-    static READY: std::sync::Mutex<Vec<(usize, &'static str, i32)>> = std::sync::Mutex::new(Vec::new());
-    let ordinal = dev.cuda_stream().context().ordinal();
-    let mut ready = READY.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(&(_, _, sms)) = ready.iter().find(|(o, f, _)| *o == ordinal && *f == name) {
-        return Ok(sms.max(1) as usize);
-    }
-    let func = dev.get_or_load_custom_func(name, super::MODULE, super::ptx()?)?;
-    let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-    func.set_attribute(attr, TMA_MAX_SMEM as i32).map_err(|e| candle_core::Error::Msg(format!("{name}: {e:?}")))?;
-    let ctx = dev.cuda_stream().context().clone();
-    let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).w()?;
-    ready.push((ordinal, name, sms));
-    Ok(sms.max(1) as usize)
+    Ok((per_sm * sms.max(1) as usize).min(n.div_ceil(8)) as u32)
 }
 
 /// dst[0] = argmax of the f32 `logits` (first index on ties). Returns false when not applicable.

@@ -1,7 +1,7 @@
 use super::{FusedLinear, Span};
 use candle_core::{Result, Tensor};
 use ferrolm_backend::attention::Positions;
-use ferrolm_backend::attention_device::{append_and_attend, append_attend_project, StaticStep};
+use ferrolm_backend::attention_device::{append_and_attend, StaticStep};
 use ferrolm_backend::norm::RmsNorm;
 use ferrolm_backend::{attend, AttentionParams, Linear, Rope, RowInput};
 use ferrolm_kv::KvCache;
@@ -72,9 +72,6 @@ impl SelfAttention {
             _ => (q, k),
         };
         let step = StaticStep { q: &q, k: &k, v: &v, rope: &self.rope, cache_k, cache_v, pos, params: &c.params };
-        if let Some(y) = append_attend_project(&step, &self.o, x)? {
-            return Ok(y);
-        }
         self.o.forward_row(RowInput::Plain(&append_and_attend(&step)?), Some(x))
     }
 

@@ -111,13 +111,6 @@ __device__ void head_argmax(unsigned* am, unsigned* dst, unsigned* advance, unsi
 #define RES_EARLY 2
 #endif
 
-// Stages issued before the wait for the previous kernel (the rest right after it). All of them:
-// -DPRE_STAGES=1, to leave the memory system freer for the previous kernel's tail and this
-// block's staging, measured slower on an H100 (2026-12-06, same tokens): 1B after a 2k prompt
-// 950.6 / 950.1 against 984.2 / 984.4 tok/s, 8B 178.4 against 181.0.
-#ifndef PRE_STAGES
-#define PRE_STAGES NS
-#endif
 template <int NS>
 __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float eps, int pro, const bf16* w, const bf16* res,
                          void* out, int N, int K, int mode, unsigned* am, unsigned* am_dst, unsigned* am_advance,
@@ -156,12 +149,10 @@ __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float e
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     for (int i = 0; i < NS; i++) mbar_init(&full[i], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    for (int s = 0; s < PRE_STAGES; s++) issue(s);
+    for (int s = 0; s < NS; s++) issue(s);
   }
   NormPre pre = preload_norm(nw, pro, K);
   pdl_prologue();
-  if (threadIdx.x == 0)
-    for (int s = PRE_STAGES; s < NS; s++) issue(s);
   TL_MARK(1)
   // The residuals of this warp's rows in its first RES_EARLY rounds, loaded right after the wait
   // beside x's loads, so that they are in registers when the rows end instead of costing one more

@@ -198,7 +198,7 @@ int main(int argc, char** argv) {
     gemv(st, x, nullptr, y.n1, 1, y.wqkv, nullptr, qkv, NQKV, H);
     g_tma_bps = bps;
     launch(attn_kernel, dim3(HKV, nsplit), ATTN_THREADS, 0, st, qkv, y.kc, y.vc, cos_t, sin_t, pos, 0u, G, (long)cap * D, 0,
-           cap, 0, scale, 0.f, 0, pm, pl, pa, qkv + HQ * D, qkv + (HQ + HKV) * D, g_no_merge ? cnt_never : cnt, attn, 0, 0);
+           cap, 0, scale, 0.f, 0, pm, pl, pa, qkv + HQ * D, qkv + (HQ + HKV) * D, g_no_merge ? cnt_never : cnt, attn);
     gemv(st, attn, nullptr, nullptr, 0, y.wo, x, xm, H, HQ * D);
     if (g_swiglu && g_tma_ns > 0) {
       int blocks = std::min(I / 4, g_tma_bps * sms);
@@ -311,7 +311,7 @@ int main(int argc, char** argv) {
       {"attention kernel only", each_layer([&](cudaStream_t st, const Layer& y) {
          attn_kernel<<<dim3(HKV, nsplit), ATTN_THREADS, 0, st>>>(qkv, y.kc, y.vc, cos_t, sin_t, pos, 0, G, (long)cap * D,
                                                                  0, cap, 0, scale, 0.f, 0, pm, pl, pa, qkv + HQ * D,
-                                                                 qkv + (HQ + HKV) * D, cnt, attn, 0, 0);
+                                                                 qkv + (HQ + HKV) * D, cnt, attn);
        })},
       {"plain read of the weights", each_layer([&](cudaStream_t st, const Layer& y) {
          touch_bytes<<<1056, 512, 0, st>>>((const uint4*)y.wqkv, (size_t)NQKV * H / 8, sink);

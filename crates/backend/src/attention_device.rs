@@ -27,7 +27,6 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, pos: Positions, p: &AttentionP
             key_start: pos.key_start,
             params: p,
             append: None,
-            l2_rank: None,
         };
         if let Some(out) = attend_decode(&a)? {
             return Ok(out);
@@ -103,8 +102,6 @@ pub struct StaticStep<'a> {
     pub cache_v: &'a Tensor,
     pub pos: &'a Tensor,
     pub params: &'a AttentionParams,
-    /// The layer's index in the model (which caches may stay in L2 between steps).
-    pub layer: usize,
 }
 
 pub fn append_and_attend(s: &StaticStep<'_>) -> Result<Tensor> {
@@ -138,7 +135,6 @@ fn append_and_attend_cuda(s: &StaticStep<'_>) -> Result<Option<Tensor>> {
         key_start: 0,
         params: s.params,
         append: Some((&k, &v)),
-        l2_rank: Some(s.layer),
     };
     if let Some(out) = attend_decode(&a)? {
         return Ok(Some(out));
@@ -202,7 +198,7 @@ mod tests {
             let k = Tensor::randn(0f32, 1.0, (1, hkv, d), &dev)?;
             let v = Tensor::randn(0f32, 1.0, (1, hkv, d), &dev)?;
             let pos = Tensor::new(&[9u32], &dev)?;
-            let step = StaticStep { q: &q, k: &k, v: &v, rope: &rope, cache_k: &ck, cache_v: &cv, pos: &pos, params: &p, layer: 0 };
+            let step = StaticStep { q: &q, k: &k, v: &v, rope: &rope, cache_k: &ck, cache_v: &cv, pos: &pos, params: &p };
             let got = append_and_attend(&step)?;
             let keys = Tensor::cat(&[prev_k.clone(), rope.apply(&k, 9)?.transpose(0, 1)?], 1)?;
             let vals = Tensor::cat(&[prev_v.clone(), v.transpose(0, 1)?], 1)?;

@@ -156,12 +156,12 @@ impl Llama {
             return Ok(None);
         }
         let mut x = self.embed.forward_tensor(token, &self.device)?;
-        for (i, (layer, (ck, cv))) in self.layers.iter().zip(kv).enumerate() {
+        for (layer, (ck, cv)) in self.layers.iter().zip(kv) {
             if let Some(y) = fused_decode_step(&layer.attn_norm, &layer.attn, &layer.ffn_norm, &layer.mlp, &x, pos, ck, cv)? {
                 x = y;
                 continue;
             }
-            x = layer.attn.forward_static(&x, &layer.attn_norm, pos, ck, cv, i)?;
+            x = layer.attn.forward_static(&x, &layer.attn_norm, pos, ck, cv)?;
             x = layer.mlp.forward_row(&x, &layer.ffn_norm)?;
         }
         Ok(Some(x))

@@ -316,7 +316,6 @@ extern "C" __global__ void fl_kv_append_f32(const float* k, const float* v, floa
 struct AttnGroup {
   int tid;  // 0 .. ATTN_THREADS-1
   int id;   // 0: the whole block; else named barrier `id`
-  bool keep_kv = false;  // the cached K/V rows' loads ask L2 to keep them (kv_policy)
   __device__ __forceinline__ void sync() const {
     if (id == 0) __syncthreads();
     else asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(ATTN_THREADS) : "memory");
@@ -335,24 +334,10 @@ struct AttnShared {
   bool last;
 };
 
-// The L2 priority of a decode attention's loads of cached K/V rows: evict_last for the layers
-// whose caches stay in L2 from one step to the next (`keep`, see attn_decode), else the default.
-__device__ __forceinline__ unsigned long long kv_policy(bool keep) {
-  unsigned long long last, normal;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(last));
-  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(normal));
-  return keep ? last : normal;
-}
 template <typename T> struct Vec8;
 template <> struct Vec8<bf16> {
   uint4 raw;
   __device__ __forceinline__ void load(const bf16* p) { raw = *reinterpret_cast<const uint4*>(p); }
-  // A cached row's vector, with the L2 priority `pol` (kv_policy).
-  __device__ __forceinline__ void load_cached(const bf16* p, unsigned long long pol) {
-    asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                 : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
-                 : "l"(p), "l"(pol));
-  }
   __device__ __forceinline__ float get(int i) const {
     return __bfloat162float(reinterpret_cast<const bf16*>(&raw)[i]);
   }
@@ -367,7 +352,6 @@ template <> struct Vec8<float> {
     const float* f = i < 4 ? &a.x : &b.x;
     return f[i & 3];
   }
-  __device__ __forceinline__ void load_cached(const float* p, unsigned long long) { load(p); }
 };
 
 // One block's chunk: keys [split*ATTN_CHUNK, +ATTN_CHUNK) of kv head h for its G query heads,
@@ -435,24 +419,18 @@ __device__ void attn_chunk(const T* q, T* kc, T* vc, const float* cos_t, const f
   // The new row is read from shared memory (S.knew / S.vnew), the others from the cache.
   const T* k_row_new = reinterpret_cast<const T*>(S.knew);
   const T* v_row_new = reinterpret_cast<const T*>(S.vnew);
-  unsigned long long pol = kv_policy(grp.keep_kv);
   auto load_k = [&](bool new_row) {
     if (s_live && (begin + sk == skip) == new_row) {
       const T* row = new_row ? k_row_new : kh + (size_t)(begin + sk) * D;
 #pragma unroll
-      for (int u = 0; u < HALF_V; u++)
-        if (new_row) kv[u].load(row + (2 * u + sp) * 8);
-        else kv[u].load_cached(row + (2 * u + sp) * 8, pol);
+      for (int u = 0; u < HALF_V; u++) kv[u].load(row + (2 * u + sp) * 8);
     }
   };
   auto load_v = [&](bool new_row) {
 #pragma unroll
     for (int r = 0; r < PER; r++) {
       long j = begin + slot + r * SLOTS;
-      if (j >= first && j < last && (j == skip) == new_row) {
-        if (new_row) vv[r].load(v_row_new + c * 8);
-        else vv[r].load_cached(vh + (size_t)j * D + c * 8, pol);
-      }
+      if (j >= first && j < last && (j == skip) == new_row) vv[r].load((new_row ? v_row_new : vh + (size_t)j * D) + c * 8);
     }
   };
   load_k(false);
@@ -702,24 +680,17 @@ __device__ void attn_item(const T* q, T* kc, T* vc, const float* cos_t, const fl
 // MG: the most query heads per kv head the instance handles (its shared memory and registers
 // scale with it): 8, or 4 for the common G <= 4 (Llama 3's 32/8), which leaves room on an SM for
 // the neighbouring kernels' blocks that programmatic dependent launch starts early.
-//
-// kv_rank, kv_keep_rows: the layer's rank among the model's layers and an L2 budget counted in
-// one layer's key rows (K and V of every kv head). The first layers whose visible keys all fit
-// together, (kv_rank + 1) · (qpos + 1) <= kv_keep_rows, load their cached rows as evict_last, so
-// that those stay in L2 for the next step while the weights stream through it evict_first;
-// decode attention is bound by the latency of these loads. 0: no layer asks.
 template <typename T, int D, int MG>
 __device__ void attn_decode(const T* q, T* kc, T* vc, const float* cos_t, const float* sin_t, const unsigned* pos_ptr,
                             unsigned pos_host, int G, long head_stride, int key_start, int s_max, int window, float scale,
                             float softcap, int interleaved, float* part_m, float* part_l, float* part_acc, const T* k_new,
-                            const T* v_new, unsigned* counters, T* out, int kv_rank, int kv_keep_rows) {
+                            const T* v_new, unsigned* counters, T* out) {
   TL_DECL
   __shared__ AttnShared<D, MG> S;
   long qpos = (long)read_pos(pos_ptr, pos_host);
-  bool keep = kv_keep_rows > 0 && (long)(kv_rank + 1) * (qpos + 1) <= (long)kv_keep_rows;
   attn_item<T, D, MG, MERGE_BATCH>(q, kc, vc, cos_t, sin_t, qpos, G, head_stride, key_start, s_max, window, scale, softcap, interleaved,
                       part_m, part_l, part_acc, k_new, v_new, counters, out, blockIdx.x, blockIdx.y, gridDim.y,
-                      AttnGroup{(int)threadIdx.x, 0, keep}, S, [&] {
+                      AttnGroup{(int)threadIdx.x, 0}, S, [&] {
                         pdl_prologue();
                         TL_MARK(1)
                         TL_MARK(2)
@@ -731,9 +702,9 @@ __device__ void attn_decode(const T* q, T* kc, T* vc, const float* cos_t, const 
   extern "C" __global__ void __launch_bounds__(ATTN_THREADS) fl_attn_##NAME##_d##D##SUFFIX(                        \
       const T* q, T* kc, T* vc, const float* c, const float* s, const unsigned* pp, unsigned ph, int G, long hs,    \
       int ks, int smax, int win, float scale, float cap, int inter, float* pm, float* pl, float* pa, const T* kn,   \
-      const T* vn, unsigned* cnt, T* out, int kv_rank, int kv_keep_rows) {                                         \
+      const T* vn, unsigned* cnt, T* out) {                                                                        \
     attn_decode<T, D, MG>(q, kc, vc, c, s, pp, ph, G, hs, ks, smax, win, scale, cap, inter, pm, pl, pa, kn, vn, cnt, \
-                          out, kv_rank, kv_keep_rows);                                                             \
+                          out);                                                                                    \
   }
 ATTN_INSTANCE(bf16, bf16, 64, ATTN_MAX_G, )
 ATTN_INSTANCE(bf16, bf16, 128, ATTN_MAX_G, )

@@ -148,18 +148,6 @@ pub struct DecodeAttention<'a> {
     pub key_start: usize,
     pub params: &'a AttentionParams,
     pub append: Option<(&'a Tensor, &'a Tensor)>,
-    /// The layer's rank among the model's layers when its cache may be kept in L2 between steps
-    /// (see [`kv_keep_rows`]); None: never.
-    pub l2_rank: Option<usize>,
-}
-
-/// The L2 budget for decode attention's K/V caches kept between steps, in one layer's key rows
-/// of `row_bytes` (K and V of every kv head): `FERROLM_CUDA_KV_L2_MB` MB (default 0: none).
-/// The kernel keeps the first layers whose visible keys all fit (kernels.cu, attn_decode).
-fn kv_keep_rows(row_bytes: usize) -> i32 {
-    static MB: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let mb = *MB.get_or_init(|| std::env::var("FERROLM_CUDA_KV_L2_MB").ok().and_then(|v| v.parse().ok()).unwrap_or(0));
-    (mb * 1024 * 1024 / row_bytes.max(1)).min(i32::MAX as usize) as i32
 }
 
 pub fn attend_decode(a: &DecodeAttention<'_>) -> Result<Option<Tensor>> {
@@ -214,8 +202,7 @@ pub fn attend_decode(a: &DecodeAttention<'_>) -> Result<Option<Tensor>> {
         ptr(a.q)?, ptr(a.k)?, ptr(a.v)?, cp, sp, pp, ph, (hq / hkv) as i32, ks[0] as i64,
         a.key_start as i32, s as i32, p.window.unwrap_or(0) as i32, p.scale,
         p.softcap.unwrap_or(0.0), inter as i32, ptr(&part_m)?, ptr(&part_l)?, ptr(&part_acc)?,
-        kn, vn, ptr(&counters)?, ptr(&out)?, a.l2_rank.unwrap_or(0) as i32,
-        a.l2_rank.map_or(0, |_| kv_keep_rows(2 * hkv * row_bytes))
+        kn, vn, ptr(&counters)?, ptr(&out)?
     );
     Ok(Some(out))
 }

@@ -212,7 +212,7 @@ fn check_attention(dev: &Device, hq: usize, hkv: usize, d: usize, s: usize, wind
     let (kc2, vc2) = (kc.copy()?, vc.copy()?);
     let posd = Tensor::new(&[(s - 1) as u32], dev)?;
     need(ops::kv_append(&kc2, &vc2, &kn, &vn, Some(tables), Pos::Device(&posd))?.then_some(()), "kv_append")?;
-    let a = DecodeAttention { q: &q, k: &kc2, v: &vc2, rope: Some(tables), pos: Pos::Device(&posd), key_start: 0, params: &p, append: None, l2_rank: None };
+    let a = DecodeAttention { q: &q, k: &kc2, v: &vc2, rope: Some(tables), pos: Pos::Device(&posd), key_start: 0, params: &p, append: None };
     let got_static = need(ops::attend_decode(&a)?, "attend_decode static")?;
     // The same step with the append done inside the attention kernel.
     let (kc4, vc4) = (kc.copy()?, vc.copy()?);
@@ -305,7 +305,7 @@ fn check_decode_layer(dev: &Device, hidden: usize, heads: (usize, usize, usize),
         let k = qkv.narrow(1, hq * d, hkv * d)?.reshape((1, hkv, d))?.contiguous()?;
         let v = qkv.narrow(1, (hq + hkv) * d, hkv * d)?.reshape((1, hkv, d))?.contiguous()?;
         let q = q.contiguous()?;
-        let a = DecodeAttention { q: &q, k: &kc, v: &vc, rope: Some(tables), pos: Pos::Device(&pos), key_start: 0, params: &p, append: Some((&k, &v)), l2_rank: None };
+        let a = DecodeAttention { q: &q, k: &kc, v: &vc, rope: Some(tables), pos: Pos::Device(&pos), key_start: 0, params: &p, append: Some((&k, &v)) };
         let attn = need(ops::attend_decode(&a)?, "attention")?;
         let mid = need(ops::gemv_fused(GemvInput::Plain(&attn), &wo, Some(&x))?, "o")?;
         let gu = need(ops::gemv_fused(GemvInput::Normed(&mid, &n2, 1e-5), &wgu, None)?, "gate|up")?;

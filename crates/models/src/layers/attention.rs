@@ -61,17 +61,17 @@ impl SelfAttention {
     }
 
     /// One token at the device position `pos`, its key and value written in place into the
-    /// whole buffers `cache_k`, `cache_v` of the model's layer `layer` (see `CausalLm::decode_static`): returns the residual
+    /// whole buffers `cache_k`, `cache_v` (see `CausalLm::decode_static`): returns the residual
     /// stream after this block, `x + o(attention(norm(x)))`, with the norm fused into the QKV
     /// product and the residual add into the output product where the backend can.
-    pub fn forward_static(&self, x: &Tensor, norm: &RmsNorm, pos: &Tensor, cache_k: &Tensor, cache_v: &Tensor, layer: usize) -> Result<Tensor> {
+    pub fn forward_static(&self, x: &Tensor, norm: &RmsNorm, pos: &Tensor, cache_k: &Tensor, cache_v: &Tensor) -> Result<Tensor> {
         let c = &self.cfg;
         let (q, k, v) = self.heads(self.qkv.forward_row(RowInput::Normed(x, norm))?, 1)?;
         let (q, k) = match (&self.q_norm, &self.k_norm) {
             (Some(qn), Some(kn)) => (qn.forward(&q)?, kn.forward(&k)?),
             _ => (q, k),
         };
-        let step = StaticStep { q: &q, k: &k, v: &v, rope: &self.rope, cache_k, cache_v, pos, params: &c.params, layer };
+        let step = StaticStep { q: &q, k: &k, v: &v, rope: &self.rope, cache_k, cache_v, pos, params: &c.params };
         self.o.forward_row(RowInput::Plain(&append_and_attend(&step)?), Some(x))
     }
 

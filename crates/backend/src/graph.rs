@@ -52,6 +52,22 @@ impl StepGraph {
 /// Read-back slots of a [`TokenReader`]: step n's token can be read while step n+1 runs.
 pub const SLOTS: usize = 2;
 
+/// Slots of the token mirror (the head kernel's MIRROR_SLOTS): a graph of up to
+/// `MIRROR_SLOTS / 2` steps can run while the host reads the tokens of the graph before it.
+pub const MIRROR_SLOTS: usize = 8;
+
+/// Inside the capture of a graph that records several steps, between two of them: the next
+/// step reuses the buffers the step before took from the warm-up's (on CUDA, the step arena).
+/// Fails when the step before took fewer than the warm-up made (the capture then fails, and
+/// the caller runs its steps eagerly).
+pub fn next_captured_step(device: &Device) -> Result<()> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => crate::cuda::arena::restart_replay(),
+        _ => Ok(()),
+    }
+}
+
 /// Reads one-element u32 tensors (sampled token ids) back to the host: `queue` starts the copy
 /// behind the work already queued, `wait` returns it. Two slots, so that step n's token can be
 /// read while step n+1 runs.

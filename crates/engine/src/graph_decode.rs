@@ -40,12 +40,14 @@ pub struct GraphDecoder {
     capture_failed: bool,
 }
 
-/// A captured step, the cache buffers it was captured over (it is valid while they stay), and
-/// whether it stores each token into the reader's host mirror itself.
+/// A captured graph of `steps` consecutive steps, the cache buffers it was captured over (it is
+/// valid while they stay), and whether it stores each token into the reader's host mirror
+/// itself (always so when it holds more than one step: the host reads every step's token).
 struct Captured {
     graph: StepGraph,
     buffers: Vec<TensorId>,
     mirrored: bool,
+    steps: usize,
 }
 
 /// How the steps of a decode ran.
@@ -86,8 +88,8 @@ impl GraphDecoder {
         if n == 0 {
             return Ok(Some(DecodePath::Eager));
         }
-        // One spare slot: a step past the last delivered token may already be queued.
-        let Some(kv) = cache.static_buffers(n + 1)? else { return Ok(None) };
+        // Spare rows: the steps queued past the last delivered token (at most two graphs).
+        let Some(kv) = cache.static_buffers(n + 2 * steps_per_graph())? else { return Ok(None) };
         let start = cache.offset() as u32;
         self.reader.clear_mirror()?;
         self.token.slice_set(&Tensor::new(&[first], &self.device)?, 0, 0)?;
@@ -99,39 +101,37 @@ impl GraphDecoder {
                 false => candle_core::bail!("the model has no static decode step"),
             }
         };
-        // Step 1: a replay when these buffers' graph exists (a reused slot), else eagerly: the
-        // warm-up a capture needs, and a real step.
-        let path = match &self.graph {
-            Some(c) if c.buffers == buffer_ids(&kv) => {
-                c.graph.replay()?;
-                DecodePath::Graph
-            }
-            _ => {
+        // The first launch: a replay when these buffers' graph exists (a reused slot), else one
+        // eager step: the warm-up a capture needs, and a real step.
+        let first_replayed = matches!(&self.graph, Some(c) if c.buffers == buffer_ids(&kv));
+        let path = match first_replayed {
+            true => DecodePath::Graph,
+            false => {
                 graph::warm_up(&self.device, &mut step)?;
                 self.prepare_graph(&kv, &mut step)
             }
         };
-        // Mirrored replays queue nothing between them; step 1 (maybe eager) reads by copy.
-        let mirrored = path == DecodePath::Graph && self.graph.as_ref().is_some_and(|c| c.mirrored);
-        self.reader.queue(&token, 0)?;
-        let mut launched = 1;
+        let (steps, mirrored) = match (&self.graph, path) {
+            (Some(c), DecodePath::Graph) => (c.steps, c.mirrored),
+            _ => (1, false),
+        };
+        // Step 1's token is read by a copy unless a mirrored replay made it.
+        match first_replayed {
+            true => self.launch(&token, path, &mut step, 0)?,
+            false => self.reader.queue(&token, 0)?,
+        }
+        let mut launched = if first_replayed { steps } else { 1 };
         let mut delivered = 0;
         while delivered < n {
-            // Queue the next step before waiting for this one's token.
-            if launched < n {
-                match &self.graph {
-                    Some(c) if path == DecodePath::Graph => c.graph.replay()?,
-                    _ => step()?,
-                }
-                if !mirrored {
-                    self.reader.queue(&token, launched % graph::SLOTS)?;
-                }
-                launched += 1;
+            if launch_now(launched, delivered, n, steps) {
+                self.launch(&token, path, &mut step, launched)?;
+                launched += steps;
             }
             // Step k advanced the position from `start + k - 1` to `start + k`.
-            let t = match mirrored && delivered > 0 {
-                true => self.reader.wait_mirrored(start + delivered as u32 + 1)?,
-                false => self.reader.wait(delivered % graph::SLOTS)?,
+            let by_copy = !mirrored || (delivered == 0 && !first_replayed);
+            let t = match by_copy {
+                true => self.reader.wait(delivered % graph::SLOTS)?,
+                false => self.reader.wait_mirrored(start + delivered as u32 + 1)?,
             };
             cache.commit_static(1)?;
             delivered += 1;
@@ -142,21 +142,43 @@ impl GraphDecoder {
         Ok(Some(path))
     }
 
+    /// Queues the launch that follows `launched` steps: a replay of the graph (all its steps),
+    /// or one eager step. The eager path reads each token by a copy queued behind its step.
+    fn launch(&mut self, token: &Tensor, path: DecodePath, step: &mut dyn FnMut() -> Result<()>, launched: usize) -> Result<()> {
+        match &self.graph {
+            Some(c) if path == DecodePath::Graph => {
+                c.graph.replay()?;
+                if !c.mirrored {
+                    self.reader.queue(token, launched % graph::SLOTS)?;
+                }
+                Ok(())
+            }
+            _ => {
+                step()?;
+                self.reader.queue(token, launched % graph::SLOTS)
+            }
+        }
+    }
+
     /// A new graph of `step` over these buffers (after its eager warm-up); eager when capturing
-    /// is unsupported or fails.
+    /// is unsupported or fails. A graph of several steps needs the token mirror (the host reads
+    /// every step's token); without it the graph holds one step.
     fn prepare_graph(&mut self, kv: &[(Tensor, Tensor)], step: &mut dyn FnMut() -> Result<()>) -> DecodePath {
         if !graph::supported(&self.device) || self.capture_failed || std::env::var("FERROLM_CUDA_GRAPH").is_ok_and(|v| v == "0") {
             return DecodePath::Eager;
         }
         let buffers = buffer_ids(kv);
-        let device = &self.device;
-        let (captured, mirrored) = match mirror_tokens() {
-            true => self.reader.mirrored(|| graph::capture(device, step)),
-            false => (graph::capture(device, step), false),
-        };
+        let device = self.device.clone();
+        let mut steps = if mirror_tokens() { steps_per_graph() } else { 1 };
+        let mut captured = self.capture(&device, steps, step);
+        if matches!(captured, Ok((_, false))) && steps > 1 {
+            // The head took no mirror (no greedy head kernel): one step per graph, read by copy.
+            steps = 1;
+            captured = self.capture(&device, 1, step);
+        }
         match captured {
-            Ok(graph) => {
-                self.graph = Some(Captured { graph, buffers, mirrored });
+            Ok((graph, mirrored)) => {
+                self.graph = Some(Captured { graph, buffers, mirrored, steps });
                 DecodePath::Graph
             }
             Err(e) => {
@@ -169,6 +191,50 @@ impl GraphDecoder {
     }
 }
 
+impl GraphDecoder {
+    /// Records `steps` consecutive steps as one graph (in the mirror when the tokens are read
+    /// through it); returns the graph and whether its head kernels took the mirror.
+    fn capture(&mut self, device: &Device, steps: usize, step: &mut dyn FnMut() -> Result<()>) -> Result<(StepGraph, bool)> {
+        let mut all = || -> Result<()> {
+            for i in 0..steps {
+                if i > 0 {
+                    graph::next_captured_step(device)?;
+                }
+                step()?;
+            }
+            Ok(())
+        };
+        match mirror_tokens() {
+            true => {
+                let (g, mirrored) = self.reader.mirrored(|| graph::capture(device, &mut all));
+                Ok((g?, mirrored))
+            }
+            false => Ok((graph::capture(device, &mut all)?, false)),
+        }
+    }
+}
+
+/// Whether to queue another launch of `steps` steps before waiting for token `delivered + 1`,
+/// with `launched` steps queued so far out of `n`: yes while fewer than one launch lies beyond
+/// the awaited step, so that the device never waits for the host, and at most two launches
+/// (2 · steps) are ever unread (the mirror's slots, the cache's spare rows).
+fn launch_now(launched: usize, delivered: usize, n: usize, steps: usize) -> bool {
+    launched < n && launched < delivered + 1 + steps
+}
+
+/// Decode steps per graph replay (`FERROLM_GRAPH_STEPS`, 1 to MIRROR_SLOTS / 2): more steps per
+/// graph mean fewer graph boundaries, where the device idles between the head kernel of one
+/// replay and the first kernel of the next, at the price of the queued steps past a stop.
+fn steps_per_graph() -> usize {
+    std::env::var("FERROLM_GRAPH_STEPS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(DEFAULT_GRAPH_STEPS)
+        .clamp(1, graph::MIRROR_SLOTS / 2)
+}
+
+const DEFAULT_GRAPH_STEPS: usize = 1;
+
 /// The cache buffers a captured step reads and writes: its graph is valid while they stay.
 fn buffer_ids(kv: &[(Tensor, Tensor)]) -> Vec<TensorId> {
     kv.iter().flat_map(|(k, v)| [k.id(), v.id()]).collect()
@@ -178,4 +244,37 @@ fn buffer_ids(kv: &[(Tensor, Tensor)]) -> Vec<TensorId> {
 /// read each by a copy and an event queued after its replay, as before 2026-12-05).
 fn mirror_tokens() -> bool {
     !std::env::var("FERROLM_TOKEN_MIRROR").is_ok_and(|v| v == "0")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The host loop's schedule for every graph size, length and first launch (one eager step
+    /// or a replay): the next launch is always queued while a token is awaited, at most two
+    /// launches are unread (mirror slots, spare cache rows), and every token is launched.
+    #[test]
+    fn launches_stay_one_ahead_and_within_the_spare_rows() {
+        for steps in 1..=graph::MIRROR_SLOTS / 2 {
+            for n in 1..40 {
+                for first_replayed in [false, true] {
+                    let mut launched = if first_replayed { steps } else { 1 };
+                    let mut delivered = 0;
+                    while delivered < n {
+                        if launch_now(launched, delivered, n, steps) {
+                            launched += steps;
+                        }
+                        let awaited = delivered + 1;
+                        assert!(launched >= awaited, "step {awaited} awaited before its launch");
+                        // A whole launch past the awaited step is queued (or every step is).
+                        assert!(launched >= n.min(awaited + steps), "the device would wait: {steps} {n} {delivered}");
+                        assert!(launched - delivered <= 2 * steps, "more unread than the mirror holds");
+                        assert!(launched <= n + 2 * steps, "past the spare rows");
+                        delivered += 1;
+                    }
+                    assert!(launched >= n && launched < n + steps.max(2));
+                }
+            }
+        }
+    }
 }

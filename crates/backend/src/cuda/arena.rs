@@ -56,6 +56,23 @@ pub fn stop_replay() -> (Vec<Tensor>, bool) {
     })
 }
 
+/// Starts handing out the replayed buffers from the first again: the next step of a capture that
+/// records several steps reuses the buffers of the one before (the steps run one after another
+/// on the stream, as replays of a one-step graph would). Fails when the step before did not
+/// use them all (its sequence diverged from the warm-up's).
+pub fn restart_replay() -> Result<()> {
+    MODE.with(|m| match &mut *m.borrow_mut() {
+        Mode::Replaying { buffers, next } if *next != buffers.len() => {
+            candle_core::bail!("step arena: a step used {} of {} recorded buffers", next, buffers.len())
+        }
+        Mode::Replaying { next, .. } => {
+            *next = 0;
+            Ok(())
+        }
+        _ => Ok(()),
+    })
+}
+
 /// The buffer for this allocation while replaying (an error when the sequence diverges).
 pub(crate) fn take(shape: &Shape, dtype: DType) -> Result<Option<Tensor>> {
     MODE.with(|m| match &mut *m.borrow_mut() {

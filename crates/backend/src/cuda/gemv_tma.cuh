@@ -27,11 +27,15 @@
 //     separate conversion kernel). With `am` (a zeroed u32 scratch of 1 + 2 * gridDim.x) it also
 //     writes the logits' argmax to am_dst[0] and adds 1 to am_advance[0] when that is non-null:
 //     the greedy end of a decode step in the head's own kernel (head_argmax below). With
-//     am_mirror too (mapped host memory, 2 u64 slots) it also stores (new position << 32 | token)
-//     into slot position & 1, where the host reads it without a copy or event between steps.
+//     am_mirror too (mapped host memory, MIRROR_SLOTS u64 slots) it also stores (new position << 32 |
+//     token) into slot position % MIRROR_SLOTS, where the host reads it without a copy or event
+//     between steps.
 #define GEMV_OUT_BF16 0
 #define GEMV_OUT_SWIGLU 1
 #define GEMV_OUT_F32 2
+// The token mirror's slots (crate::graph::MIRROR_SLOTS): a graph of up to MIRROR_SLOTS / 2 steps
+// can run while the host reads the tokens of the one before.
+#define MIRROR_SLOTS 8u
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
@@ -95,7 +99,7 @@ __device__ void head_argmax(unsigned* am, unsigned* dst, unsigned* advance, unsi
       unsigned pos = advance[0] + 1u;
       advance[0] = pos;
       // One 8-byte store over PCIe: the host never sees the tag without its token.
-      if (mirror) asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(mirror + (pos & 1u)), "l"(((unsigned long long)pos << 32) | token) : "memory");
+      if (mirror) asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(mirror + (pos % MIRROR_SLOTS)), "l"(((unsigned long long)pos << 32) | token) : "memory");
     }
     am[0] = 0u;
   }

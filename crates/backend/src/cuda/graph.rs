@@ -65,7 +65,7 @@ pub fn replay(c: &Captured) -> Result<()> {
 /// only on the copy it asks for. Two slots: the copy of step n can be in flight while step n+1
 /// is queued behind it.
 ///
-/// It also holds a token mirror: SLOTS u64 of pinned host memory mapped into the device, where
+/// It also holds a token mirror: MIRROR_SLOTS u64 of pinned host memory mapped into the device, where
 /// a greedy head kernel launched inside [`TokenReader::mirrored`] stores each step's (position,
 /// token) itself. Replays of such a step then need nothing between them on the stream (no copy,
 /// no event: each one cost the graph boundary a few microseconds), and
@@ -97,6 +97,7 @@ pub fn take_token_mirror() -> u64 {
 unsafe impl Send for TokenReader {}
 
 pub const SLOTS: usize = 2;
+use crate::graph::MIRROR_SLOTS;
 
 impl TokenReader {
     pub fn new(dev: &CudaDevice) -> Result<Self> {
@@ -111,9 +112,9 @@ impl TokenReader {
             .w()?;
         // SAFETY: SLOTS u64s of page-locked host memory mapped into the device's address space
         // (unified addressing: the same address on both sides), freed in Drop.
-        let mirror = unsafe { result::malloc_host(SLOTS * 8, sys::CU_MEMHOSTALLOC_DEVICEMAP) }.w()? as *mut u64;
+        let mirror = unsafe { result::malloc_host(MIRROR_SLOTS * 8, sys::CU_MEMHOSTALLOC_DEVICEMAP) }.w()? as *mut u64;
         // SAFETY: as above; zero is a tag no step writes (positions start at 1 after a step).
-        unsafe { std::ptr::write_bytes(mirror, 0, SLOTS) };
+        unsafe { std::ptr::write_bytes(mirror, 0, MIRROR_SLOTS) };
         Ok(Self { dev: dev.clone(), host, events, mirror })
     }
 
@@ -122,7 +123,7 @@ impl TokenReader {
     pub fn clear_mirror(&mut self) -> Result<()> {
         self.dev.cuda_stream().synchronize().w()?;
         // SAFETY: nothing on the device writes the slots now (synchronized above).
-        unsafe { std::ptr::write_bytes(self.mirror, 0, SLOTS) };
+        unsafe { std::ptr::write_bytes(self.mirror, 0, MIRROR_SLOTS) };
         Ok(())
     }
 
@@ -139,7 +140,7 @@ impl TokenReader {
     /// and returns it. Spins (a step is shorter than a sleep's granularity), asking the stream
     /// for errors now and then so that a failed step ends the wait.
     pub fn wait_mirrored(&mut self, pos: u32) -> Result<u32> {
-        let slot = pos as usize % SLOTS;
+        let slot = pos as usize % MIRROR_SLOTS;
         for spin in 0u64.. {
             // SAFETY: a slot of our mapped allocation; the device writes it whole (8 bytes).
             let v = unsafe { std::ptr::read_volatile(self.mirror.add(slot)) };

@@ -173,6 +173,8 @@ impl GraphDecoder {
         let mut captured = self.capture(&device, steps, step);
         if matches!(captured, Ok((_, false))) && steps > 1 {
             // The head took no mirror (no greedy head kernel): one step per graph, read by copy.
+            // The warm-up's buffers went to the first capture, so this one allocates inside the
+            // graph (memory nodes): slower replays, but the same results.
             steps = 1;
             captured = self.capture(&device, 1, step);
         }

@@ -191,9 +191,7 @@ impl GraphDecoder {
             }
         }
     }
-}
 
-impl GraphDecoder {
     /// Records `steps` consecutive steps as one graph (in the mirror when the tokens are read
     /// through it); returns the graph and whether its head kernels took the mirror.
     fn capture(&mut self, device: &Device, steps: usize, step: &mut dyn FnMut() -> Result<()>) -> Result<(StepGraph, bool)> {

@@ -10,6 +10,8 @@ use candle_core::cuda_backend::cudarc::driver::{result, sys, CudaEvent, CudaGrap
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{Result, Tensor};
 
+use crate::graph::MIRROR_SLOTS;
+
 /// Runs `f` once with candle's host-to-device cache on (a warm-up before [`capture`]: every
 /// small upload the step makes is cached, so the capture can reuse it).
 pub fn warm_up(dev: &CudaDevice, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
@@ -97,7 +99,6 @@ pub fn take_token_mirror() -> u64 {
 unsafe impl Send for TokenReader {}
 
 pub const SLOTS: usize = 2;
-use crate::graph::MIRROR_SLOTS;
 
 impl TokenReader {
     pub fn new(dev: &CudaDevice) -> Result<Self> {
@@ -110,7 +111,7 @@ impl TokenReader {
             .map(|_| ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)))
             .collect::<std::result::Result<Vec<_>, _>>()
             .w()?;
-        // SAFETY: SLOTS u64s of page-locked host memory mapped into the device's address space
+        // SAFETY: MIRROR_SLOTS u64s of page-locked host memory mapped into the device's address space
         // (unified addressing: the same address on both sides), freed in Drop.
         let mirror = unsafe { result::malloc_host(MIRROR_SLOTS * 8, sys::CU_MEMHOSTALLOC_DEVICEMAP) }.w()? as *mut u64;
         // SAFETY: as above; zero is a tag no step writes (positions start at 1 after a step).

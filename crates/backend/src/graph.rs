@@ -40,6 +40,13 @@ pub fn capture(device: &Device, f: &mut dyn FnMut() -> Result<()>) -> Result<Ste
 }
 
 impl StepGraph {
+    /// Drops this graph (never replayed) and keeps the buffers its step writes for the next
+    /// [`capture`] of the same step, which then needs no new warm-up.
+    pub fn rearm(self) {
+        #[cfg(feature = "cuda")]
+        crate::cuda::graph::rearm(self.graph);
+    }
+
     /// Queues one replay of the captured step.
     pub fn replay(&self) -> Result<()> {
         #[cfg(feature = "cuda")]
@@ -57,13 +64,18 @@ pub const SLOTS: usize = 2;
 pub const MIRROR_SLOTS: usize = 8;
 
 /// Inside the capture of a graph that records several steps, between two of them: the next
-/// step reuses the buffers the step before took from the warm-up's (on CUDA, the step arena).
-/// Fails when the step before took fewer than the warm-up made (the capture then fails, and
-/// the caller runs its steps eagerly).
+/// step reuses the buffers the step before took from the warm-up's (on CUDA, the step arena),
+/// and its first kernel starts after the step before has finished (kernels read the position
+/// the previous step's head advanced before their programmatic wait). Fails when the step
+/// before took fewer than the warm-up made (the capture then fails, and the caller runs its
+/// steps eagerly).
 pub fn next_captured_step(device: &Device) -> Result<()> {
     match device {
         #[cfg(feature = "cuda")]
-        Device::Cuda(_) => crate::cuda::arena::restart_replay(),
+        Device::Cuda(_) => {
+            crate::cuda::after_all();
+            crate::cuda::arena::restart_replay()
+        }
         _ => Ok(()),
     }
 }

@@ -171,12 +171,14 @@ impl GraphDecoder {
         let device = self.device.clone();
         let mut steps = if mirror_tokens() { steps_per_graph() } else { 1 };
         let mut captured = self.capture(&device, steps, step);
-        if matches!(captured, Ok((_, false))) && steps > 1 {
-            // The head took no mirror (no greedy head kernel): one step per graph, read by copy.
-            // The warm-up's buffers went to the first capture, so this one allocates inside the
-            // graph (memory nodes): slower replays, but the same results.
-            steps = 1;
-            captured = self.capture(&device, 1, step);
+        if steps > 1 {
+            if let Ok((graph, false)) = captured {
+                // The head took no mirror (no greedy head kernel): one step per graph, read by
+                // copy, captured over the same buffers.
+                graph.rearm();
+                steps = 1;
+                captured = self.capture(&device, 1, step);
+            }
         }
         match captured {
             Ok((graph, mirrored)) => {

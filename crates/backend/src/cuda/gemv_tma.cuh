@@ -12,7 +12,7 @@
 // H200 with PDL on: 1B 1,054 against 1,034 tok/s for gemv_fused, 8B 228 against 220 (without PDL
 // it is slower: it wins by starting before the wait); the SwiGLU output below is its own.
 //
-// Stage s of a block is chunk c = s % nb (GEMV_BATCH vectors, 4 KB) of the eight rows of round
+// Stage s of a block is chunk c = s % nb (TMA_BATCH vectors, 4 KB) of the eight rows of round
 // s / nb; warp w takes row w of each round, lane l the vectors l + 32u of each chunk, exactly as
 // gemv_fused's warp and lane do. Stage buffers are refilled after a block barrier (every warp
 // done with the stage); a barrier per 32 KB stage costs far less than the round trip it hides.
@@ -36,6 +36,11 @@
 // The token mirror's slots (crate::graph::MIRROR_SLOTS): a graph of up to MIRROR_SLOTS / 2 steps
 // can run while the host reads the tokens of the one before.
 #define MIRROR_SLOTS 8u
+// Vectors of a row's chunk in one stage (a multiple of 32: lane l takes l + 32u); 256 = 4 KB, a
+// 32 KB stage of 8 rows. Any value gives the same sums (a lane's vectors in the same order).
+#ifndef TMA_BATCH
+#define TMA_BATCH 256
+#endif
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
@@ -126,9 +131,9 @@ __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float e
   __shared__ __align__(8) unsigned long long full[NS];
   constexpr int ROWS = 8;  // warps per block: one row each per round
   __shared__ float up_sums[2][ROWS / 2];  // pair mode: each round's up products (double-buffered)
-  int nv = K / 8, nb = (nv + GEMV_BATCH - 1) / GEMV_BATCH;
+  int nv = K / 8, nb = (nv + TMA_BATCH - 1) / TMA_BATCH;
   uint4* xs = tma_smem;          // [K/8]
-  uint4* slots = tma_smem + nv;  // [NS][ROWS][GEMV_BATCH] (a block with fewer stages uses fewer)
+  uint4* slots = tma_smem + nv;  // [NS][ROWS][TMA_BATCH] (a block with fewer stages uses fewer)
   // The block's rows [r0, r1): pair mode splits whole pairs (rows counted as gate, up, gate, ...).
   int units = pair ? N / 2 : N, per = pair ? 2 : 1;
   int r0 = per * (int)((long long)units * blockIdx.x / gridDim.x);
@@ -143,10 +148,10 @@ __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float e
     if (s >= stages) return;
     int round = s / nb, c = s % nb, slot = s % NS;
     int first = r0 + round * ROWS, rows = min(ROWS, r1 - first);
-    int vecs = min(GEMV_BATCH, nv - c * GEMV_BATCH);
+    int vecs = min(TMA_BATCH, nv - c * TMA_BATCH);
     mbar_expect_tx(&full[slot], (unsigned)(rows * vecs * 16));
     for (int r = 0; r < rows; r++)
-      bulk_copy(slots + (slot * ROWS + r) * GEMV_BATCH, w + (size_t)w_row(first + r) * K + (size_t)c * GEMV_BATCH * 8,
+      bulk_copy(slots + (slot * ROWS + r) * TMA_BATCH, w + (size_t)w_row(first + r) * K + (size_t)c * TMA_BATCH * 8,
                 (unsigned)(vecs * 16), &full[slot], policy);
   };
   if (threadIdx.x == 0) {
@@ -179,10 +184,10 @@ __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float e
     bool row_done = n < r1 && c == nb - 1;
     mbar_wait(&full[slot], (unsigned)((s / NS) & 1));
     if (n < r1) {
-      const uint4* buf = slots + (slot * ROWS + warp) * GEMV_BATCH;
-      int base = c * GEMV_BATCH;
+      const uint4* buf = slots + (slot * ROWS + warp) * TMA_BATCH;
+      int base = c * TMA_BATCH;
 #pragma unroll
-      for (int u = 0; u < 8; u++) {
+      for (int u = 0; u < TMA_BATCH / 32; u++) {
         int i = base + lane + 32 * u;
         if (i < nv) acc = dot8(buf[lane + 32 * u], xs[i], acc);
       }
@@ -223,7 +228,7 @@ __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float e
   TL_END(1, N, K)
 }
 
-// Dynamic shared memory: K * 2 bytes of x', then NS * 8 * GEMV_BATCH * 16 bytes of stage buffers
+// Dynamic shared memory: K * 2 bytes of x', then NS * 8 * TMA_BATCH * 16 bytes of stage buffers
 // (only min(NS, its stages) of them are touched by a block).
 #define GEMV_TMA(NS)                                                                                                \
   extern "C" __global__ void __launch_bounds__(256) fl_gemv_tma##NS##_bf16(                                         \

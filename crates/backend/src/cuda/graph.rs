@@ -30,7 +30,7 @@ thread_local! {
 /// A captured step and the buffers its kernels write.
 pub struct Captured {
     pub graph: CudaGraph,
-    _buffers: Vec<Tensor>,
+    buffers: Vec<Tensor>,
 }
 
 /// Records `f` on the device's stream into a graph (nothing executes). Errors leave the stream
@@ -55,7 +55,13 @@ pub fn capture(dev: &CudaDevice, f: &mut dyn FnMut() -> Result<()>) -> Result<Ca
     if super::profile::enabled() {
         eprintln!("{}", super::profile::graph_nodes(graph.cu_graph()));
     }
-    Ok(Captured { graph, _buffers: buffers })
+    Ok(Captured { graph, buffers })
+}
+
+/// Drops a graph that was never replayed and keeps its buffers for the next [`capture`] of the
+/// same step, as a warm-up's are kept.
+pub fn rearm(c: Captured) {
+    WARM_BUFFERS.with(|b| *b.borrow_mut() = c.buffers);
 }
 
 /// Replays a captured graph on its stream.

@@ -698,8 +698,13 @@ __device__ void attn_decode(const T* q, T* kc, T* vc, const float* cos_t, const 
   TL_END(2, G, D)
 }
 
+// Blocks of the decode attention that must fit on an SM by registers (__launch_bounds__' second
+// argument; 1 leaves the compiler free: 162 registers for the bf16 d64 g4 instance).
+#ifndef ATTN_MIN_BLOCKS
+#define ATTN_MIN_BLOCKS 1
+#endif
 #define ATTN_INSTANCE(T, NAME, D, MG, SUFFIX)                                                                      \
-  extern "C" __global__ void __launch_bounds__(ATTN_THREADS) fl_attn_##NAME##_d##D##SUFFIX(                        \
+  extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) fl_attn_##NAME##_d##D##SUFFIX(       \
       const T* q, T* kc, T* vc, const float* c, const float* s, const unsigned* pp, unsigned ph, int G, long hs,    \
       int ks, int smax, int win, float scale, float cap, int inter, float* pm, float* pl, float* pa, const T* kn,   \
       const T* vn, unsigned* cnt, T* out) {                                                                        \

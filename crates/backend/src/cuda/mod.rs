@@ -236,7 +236,8 @@ pub(crate) unsafe fn launch_raw(
     let mut n = 0;
     // A cooperative kernel never waits for its predecessor (griddepcontrol): no early launch.
     let cooperative = COOPERATIVE.with(|c| c.replace(false));
-    if policy().pdl && !cooperative {
+    let after_all = AFTER_ALL.with(|c| c.replace(false));
+    if policy().pdl && !cooperative && !after_all {
         attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
         attrs[n].value.programmaticStreamSerializationAllowed = 1;
         n += 1;
@@ -266,6 +267,17 @@ thread_local! {
     static SMEM: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
     /// Whether the next `launch!` on this thread is cooperative (set by `cooperatively`).
     static COOPERATIVE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Whether the next `launch!` on this thread waits for all earlier work (set by `after_all`).
+    static AFTER_ALL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Makes the next `launch!` on this thread start only once every kernel before it has finished
+/// (no programmatic early launch). A step's kernels read the decode position before their wait
+/// (it steers the attention's early K/V loads), which holds only while no earlier kernel of the
+/// same launch sequence can still advance it: a captured graph of several steps starts each step
+/// after this, as a graph boundary or the eager path's token copy does.
+pub(crate) fn after_all() {
+    AFTER_ALL.with(|c| c.set(true));
 }
 
 /// Makes the next `launch!` on this thread cooperative: all its blocks are resident at once (or

@@ -347,7 +347,7 @@ fn gemv_row(input: GemvInput<'_>, w: &Tensor, residual: Option<&Tensor>, mode: R
         && nw.is_none_or(|t| f32_on_device(t) && t.elem_count() == k)
         && residual.is_none_or(|r| r.dtype() == DType::BF16 && r.is_contiguous() && r.elem_count() == n)
         && k % 8 == 0
-        && k * 2 <= if tma { TMA_MAX_SMEM - TMA_STAGES * TMA_STAGE_BYTES } else { 48 * 1024 };
+        && k * 2 <= if tma { TMA_MAX_SMEM - tma_shape().stage_buffers() } else { 48 * 1024 };
     if !ok {
         return Ok(None);
     }
@@ -367,7 +367,7 @@ fn gemv_row(input: GemvInput<'_>, w: &Tensor, residual: Option<&Tensor>, mode: R
             // Every block gets both stage buffers, even one with a single stage of work: giving
             // such blocks (QKV, O) only what they use, so that more of the neighbouring kernels'
             // blocks fit beside them early, was measured slower (1B: 48.1 vs 47.2 us per layer).
-            let smem = TMA_STAGES * TMA_STAGE_BYTES + k * 2;
+            let smem = tma_shape().stage_buffers() + k * 2;
             let grid = tma_grid(&dev, n, smem)?;
             // The argmax's scratch: a finished-block counter (left at zero), each block's best.
             // With the position advanced, also the host's token mirror when a reader set one.
@@ -380,7 +380,7 @@ fn gemv_row(input: GemvInput<'_>, w: &Tensor, residual: Option<&Tensor>, mode: R
             };
             super::with_smem(smem as u32);
             launch!(
-                dev, TMA_KERNEL, (grid, 1, 1), 256, xp, x2p, nwp, eps, pro as i32, wp, rp, op, n32, k32, mode as i32,
+                dev, tma_shape().kernel, (grid, 1, 1), 256, xp, x2p, nwp, eps, pro as i32, wp, rp, op, n32, k32, mode as i32,
                 opt(am.as_ref())?, dst, adv, mirror
             );
         }
@@ -414,12 +414,35 @@ fn gemv_variant() -> GemvVariant {
     })
 }
 
-/// The bulk-copy product: its kernel, its stages in flight and the bytes of one (8 rows' 4 KB
-/// chunks), and the dynamic shared memory it may ask for (Hopper's 227 KiB per block, less the
-/// kernel's static shared memory, rounded down).
-const TMA_KERNEL: &str = "fl_gemv_tma2_bf16";
-const TMA_STAGES: usize = 2;
-const TMA_STAGE_BYTES: usize = 8 * 4096;
+/// The bulk-copy product's kernel and its stages in flight, each 8 rows' chunks of `batch`
+/// 16-byte vectors (gemv_tma.cuh's NS and TMA_BATCH: 2 stages of 256, 32 KB each, unless
+/// `FERROLM_CUDA_TMA_STAGES` (2 or 3) and `FERROLM_CUDA_TMA_BATCH` (for kernels built with that
+/// TMA_BATCH, through FERROLM_CUDA_PTX) say otherwise).
+struct TmaShape {
+    kernel: &'static str,
+    stages: usize,
+    batch: usize,
+}
+
+impl TmaShape {
+    /// Shared memory of the stage buffers.
+    fn stage_buffers(&self) -> usize {
+        self.stages * 8 * self.batch * 16
+    }
+}
+
+fn tma_shape() -> &'static TmaShape {
+    static S: std::sync::OnceLock<TmaShape> = std::sync::OnceLock::new();
+    S.get_or_init(|| {
+        let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<usize>().ok());
+        let stages = env("FERROLM_CUDA_TMA_STAGES").filter(|&s| s == 3).unwrap_or(2);
+        let kernel = if stages == 3 { "fl_gemv_tma3_bf16" } else { "fl_gemv_tma2_bf16" };
+        TmaShape { kernel, stages, batch: env("FERROLM_CUDA_TMA_BATCH").filter(|&b| b == 128).unwrap_or(256) }
+    })
+}
+
+/// The dynamic shared memory the bulk-copy product may ask for (Hopper's 227 KiB per block, less
+/// the kernel's static shared memory, rounded down).
 const TMA_MAX_SMEM: usize = 224 * 1024;
 /// Shared memory of one SM on Hopper, and what the driver reserves per block.
 const SM_SMEM: usize = 228 * 1024;
@@ -438,9 +461,10 @@ fn tma_grid(dev: &candle_core::cuda_backend::CudaDevice, n: usize, smem: usize) 
     let sms = match ready.iter().find(|(o, _)| *o == ordinal) {
         Some(&(_, sms)) => sms,
         None => {
-            let func = dev.get_or_load_custom_func(TMA_KERNEL, super::MODULE, super::ptx()?)?;
+            let kernel = tma_shape().kernel;
+            let func = dev.get_or_load_custom_func(kernel, super::MODULE, super::ptx()?)?;
             let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-            func.set_attribute(attr, TMA_MAX_SMEM as i32).map_err(|e| candle_core::Error::Msg(format!("{TMA_KERNEL}: {e:?}")))?;
+            func.set_attribute(attr, TMA_MAX_SMEM as i32).map_err(|e| candle_core::Error::Msg(format!("{kernel}: {e:?}")))?;
             let ctx = dev.cuda_stream().context().clone();
             let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).w()?;
             ready.push((ordinal, sms));

@@ -12,7 +12,7 @@
 // H200 with PDL on: 1B 1,054 against 1,034 tok/s for gemv_fused, 8B 228 against 220 (without PDL
 // it is slower: it wins by starting before the wait); the SwiGLU output below is its own.
 //
-// Stage s of a block is chunk c = s % nb (TMA_BATCH vectors, 4 KB) of the eight rows of round
+// Stage s of a block is chunk c = s % nb (B vectors: 4 KB for the default 256) of the eight rows of round
 // s / nb; warp w takes row w of each round, lane l the vectors l + 32u of each chunk, exactly as
 // gemv_fused's warp and lane do. Stage buffers are refilled after a block barrier (every warp
 // done with the stage); a barrier per 32 KB stage costs far less than the round trip it hides.
@@ -36,11 +36,6 @@
 // The token mirror's slots (crate::graph::MIRROR_SLOTS): a graph of up to MIRROR_SLOTS / 2 steps
 // can run while the host reads the tokens of the one before.
 #define MIRROR_SLOTS 8u
-// Vectors of a row's chunk in one stage (a multiple of 32: lane l takes l + 32u); 256 = 4 KB, a
-// 32 KB stage of 8 rows. Any value gives the same sums (a lane's vectors in the same order).
-#ifndef TMA_BATCH
-#define TMA_BATCH 256
-#endif
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
@@ -120,7 +115,11 @@ __device__ void head_argmax(unsigned* am, unsigned* dst, unsigned* advance, unsi
 #define RES_EARLY 2
 #endif
 
-template <int NS>
+// NS: stages in flight per block. B: 16-byte vectors of a row's chunk in one stage (a multiple of
+// 32: lane l takes l + 32u); 256 = 4 KB, a 32 KB stage of 8 rows, the engine's default; 128 halves
+// each block's stage buffers, so that the next kernel's blocks fit beside it (ops.rs
+// FERROLM_CUDA_TMA_BATCH). Every B gives the same sums (each lane's vectors in the same order).
+template <int NS, int B>
 __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float eps, int pro, const bf16* w, const bf16* res,
                          void* out, int N, int K, int mode, unsigned* am, unsigned* am_dst, unsigned* am_advance,
                          unsigned long long* am_mirror) {
@@ -131,9 +130,9 @@ __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float e
   __shared__ __align__(8) unsigned long long full[NS];
   constexpr int ROWS = 8;  // warps per block: one row each per round
   __shared__ float up_sums[2][ROWS / 2];  // pair mode: each round's up products (double-buffered)
-  int nv = K / 8, nb = (nv + TMA_BATCH - 1) / TMA_BATCH;
+  int nv = K / 8, nb = (nv + B - 1) / B;
   uint4* xs = tma_smem;          // [K/8]
-  uint4* slots = tma_smem + nv;  // [NS][ROWS][TMA_BATCH] (a block with fewer stages uses fewer)
+  uint4* slots = tma_smem + nv;  // [NS][ROWS][B] (a block with fewer stages uses fewer)
   // The block's rows [r0, r1): pair mode splits whole pairs (rows counted as gate, up, gate, ...).
   int units = pair ? N / 2 : N, per = pair ? 2 : 1;
   int r0 = per * (int)((long long)units * blockIdx.x / gridDim.x);
@@ -148,10 +147,10 @@ __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float e
     if (s >= stages) return;
     int round = s / nb, c = s % nb, slot = s % NS;
     int first = r0 + round * ROWS, rows = min(ROWS, r1 - first);
-    int vecs = min(TMA_BATCH, nv - c * TMA_BATCH);
+    int vecs = min(B, nv - c * B);
     mbar_expect_tx(&full[slot], (unsigned)(rows * vecs * 16));
     for (int r = 0; r < rows; r++)
-      bulk_copy(slots + (slot * ROWS + r) * TMA_BATCH, w + (size_t)w_row(first + r) * K + (size_t)c * TMA_BATCH * 8,
+      bulk_copy(slots + (slot * ROWS + r) * B, w + (size_t)w_row(first + r) * K + (size_t)c * B * 8,
                 (unsigned)(vecs * 16), &full[slot], policy);
   };
   if (threadIdx.x == 0) {
@@ -184,10 +183,10 @@ __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float e
     bool row_done = n < r1 && c == nb - 1;
     mbar_wait(&full[slot], (unsigned)((s / NS) & 1));
     if (n < r1) {
-      const uint4* buf = slots + (slot * ROWS + warp) * TMA_BATCH;
-      int base = c * TMA_BATCH;
+      const uint4* buf = slots + (slot * ROWS + warp) * B;
+      int base = c * B;
 #pragma unroll
-      for (int u = 0; u < TMA_BATCH / 32; u++) {
+      for (int u = 0; u < B / 32; u++) {
         int i = base + lane + 32 * u;
         if (i < nv) acc = dot8(buf[lane + 32 * u], xs[i], acc);
       }
@@ -228,13 +227,15 @@ __device__ void gemv_tma(const bf16* x, const bf16* x2, const float* nw, float e
   TL_END(1, N, K)
 }
 
-// Dynamic shared memory: K * 2 bytes of x', then NS * 8 * TMA_BATCH * 16 bytes of stage buffers
+// Dynamic shared memory: K * 2 bytes of x', then NS * 8 * B * 16 bytes of stage buffers
 // (only min(NS, its stages) of them are touched by a block).
-#define GEMV_TMA(NS)                                                                                                \
-  extern "C" __global__ void __launch_bounds__(256) fl_gemv_tma##NS##_bf16(                                         \
+#define GEMV_TMA(NS, B, SUFFIX)                                                                                     \
+  extern "C" __global__ void __launch_bounds__(256) fl_gemv_tma##NS##SUFFIX##_bf16(                                 \
       const bf16* x, const bf16* x2, const float* nw, float eps, int pro, const bf16* w, const bf16* res, void* y, \
       int N, int K, int mode, unsigned* am, unsigned* am_dst, unsigned* am_advance, unsigned long long* am_mirror) { \
-    gemv_tma<NS>(x, x2, nw, eps, pro, w, res, y, N, K, mode, am, am_dst, am_advance, am_mirror);                    \
+    gemv_tma<NS, B>(x, x2, nw, eps, pro, w, res, y, N, K, mode, am, am_dst, am_advance, am_mirror);                 \
   }
-GEMV_TMA(2)  // the engine's (ops.rs); 3 stages measured no faster (2 blocks per SM, 1B and 8B shapes)
-GEMV_TMA(3)
+GEMV_TMA(2, 256, )  // the engine's (ops.rs); 3 stages measured no faster (2 blocks per SM, 1B and 8B shapes)
+GEMV_TMA(3, 256, )
+GEMV_TMA(2, 128, _b128)
+GEMV_TMA(3, 128, _b128)

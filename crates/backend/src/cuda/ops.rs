@@ -415,9 +415,9 @@ fn gemv_variant() -> GemvVariant {
 }
 
 /// The bulk-copy product's kernel and its stages in flight, each 8 rows' chunks of `batch`
-/// 16-byte vectors (gemv_tma.cuh's NS and TMA_BATCH: 2 stages of 256, 32 KB each, unless
-/// `FERROLM_CUDA_TMA_STAGES` (2 or 3) and `FERROLM_CUDA_TMA_BATCH` (for kernels built with that
-/// TMA_BATCH, through FERROLM_CUDA_PTX) say otherwise).
+/// 16-byte vectors (gemv_tma.cuh's NS and B): 2 stages of 256 (32 KB each) unless
+/// `FERROLM_CUDA_TMA_STAGES=3` or `FERROLM_CUDA_TMA_BATCH=128` (16 KB stages, so that the next
+/// kernel's blocks fit beside a running product's) pick another instance (same results).
 struct TmaShape {
     kernel: &'static str,
     stages: usize,
@@ -436,8 +436,14 @@ fn tma_shape() -> &'static TmaShape {
     S.get_or_init(|| {
         let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<usize>().ok());
         let stages = env("FERROLM_CUDA_TMA_STAGES").filter(|&s| s == 3).unwrap_or(2);
-        let kernel = if stages == 3 { "fl_gemv_tma3_bf16" } else { "fl_gemv_tma2_bf16" };
-        TmaShape { kernel, stages, batch: env("FERROLM_CUDA_TMA_BATCH").filter(|&b| b == 128).unwrap_or(256) }
+        let batch = env("FERROLM_CUDA_TMA_BATCH").filter(|&b| b == 128).unwrap_or(256);
+        let kernel = match (stages, batch) {
+            (3, 256) => "fl_gemv_tma3_bf16",
+            (2, 128) => "fl_gemv_tma2_b128_bf16",
+            (3, 128) => "fl_gemv_tma3_b128_bf16",
+            _ => "fl_gemv_tma2_bf16",
+        };
+        TmaShape { kernel, stages, batch }
     })
 }
 

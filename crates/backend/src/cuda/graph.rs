@@ -144,32 +144,46 @@ impl TokenReader {
     }
 
     /// Waits until the mirror holds the token of the step that advanced the position to `pos`,
-    /// and returns it. Spins (a step is shorter than a sleep's granularity), asking the stream
-    /// for errors now and then so that a failed step ends the wait.
+    /// and returns it, asking the stream for errors now and then so that a failed step ends
+    /// the wait. Spins by default; with `FERROLM_TOKEN_POLL_US=n` it sleeps n µs between looks
+    /// instead (the host reads one launch behind the device, so a late look costs the client a
+    /// few µs of latency but the device nothing, while a spinning host holds a core).
     pub fn wait_mirrored(&mut self, pos: u32) -> Result<u32> {
         let slot = pos as usize % MIRROR_SLOTS;
-        for spin in 0u64.. {
-            // SAFETY: a slot of our mapped allocation; the device writes it whole (8 bytes).
-            let v = unsafe { std::ptr::read_volatile(self.mirror.add(slot)) };
-            if (v >> 32) as u32 == pos {
-                return Ok(v as u32);
+        let sleep = poll_sleep();
+        for look in 0u64.. {
+            if let Some(token) = self.mirrored_token(slot, pos) {
+                return Ok(token);
             }
-            if spin % 4096 == 4095 {
-                // SAFETY: a query of our live stream; it enqueues nothing.
-                match unsafe { sys::cuStreamQuery(self.dev.cuda_stream().cu_stream()) } {
-                    sys::CUresult::CUDA_SUCCESS => {
-                        // Idle, yet the slot was not written: this step took no mirror.
-                        if (unsafe { std::ptr::read_volatile(self.mirror.add(slot)) } >> 32) as u32 != pos {
-                            candle_core::bail!("decode step {pos}: the token mirror was not written");
-                        }
-                    }
-                    sys::CUresult::CUDA_ERROR_NOT_READY => {}
-                    e => e.result().w()?,
-                }
+            if sleep.is_some() || look % 4096 == 4095 {
+                self.check_stream(slot, pos)?;
             }
-            std::hint::spin_loop();
+            match sleep {
+                Some(d) => std::thread::sleep(d),
+                None => std::hint::spin_loop(),
+            }
         }
         unreachable!()
+    }
+
+    /// The token in `slot` when its tag says it is step `pos`'s.
+    fn mirrored_token(&self, slot: usize, pos: u32) -> Option<u32> {
+        // SAFETY: a slot of our mapped allocation; the device writes it whole (8 bytes).
+        let v = unsafe { std::ptr::read_volatile(self.mirror.add(slot)) };
+        ((v >> 32) as u32 == pos).then_some(v as u32)
+    }
+
+    /// Fails when the stream failed, or went idle without step `pos` writing its slot (the step
+    /// took no mirror).
+    fn check_stream(&self, slot: usize, pos: u32) -> Result<()> {
+        // SAFETY: a query of our live stream; it enqueues nothing.
+        match unsafe { sys::cuStreamQuery(self.dev.cuda_stream().cu_stream()) } {
+            sys::CUresult::CUDA_SUCCESS if self.mirrored_token(slot, pos).is_none() => {
+                candle_core::bail!("decode step {pos}: the token mirror was not written")
+            }
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_NOT_READY => Ok(()),
+            e => e.result().w(),
+        }
     }
 
     /// Queues the copy of `t` (one u32 on this device) into `slot`.
@@ -190,6 +204,15 @@ impl TokenReader {
         // SAFETY: the copy into this slot has completed.
         Ok(unsafe { std::ptr::read_volatile(self.host.add(slot)) })
     }
+}
+
+/// The pause between looks at the token mirror (`FERROLM_TOKEN_POLL_US`); `None`: spin.
+fn poll_sleep() -> Option<std::time::Duration> {
+    static SLEEP: std::sync::OnceLock<Option<std::time::Duration>> = std::sync::OnceLock::new();
+    *SLEEP.get_or_init(|| {
+        let us = std::env::var("FERROLM_TOKEN_POLL_US").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        (us > 0).then(|| std::time::Duration::from_micros(us))
+    })
 }
 
 impl Drop for TokenReader {

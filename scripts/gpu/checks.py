@@ -135,20 +135,23 @@ def kv_bytes(name, context):
     return 2 * 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * context
 
 
+PROMPT, DECODE = 2048, 128  # the benchmark's prompt and decoded tokens
+
+
 def benches():
     bw = results.get("d2d_bytes_per_s")
     for name in SHAPES:
         if not os.path.isdir(f"{MODELS}/{name}"):
             continue
         quick = os.environ.get("QUICK") == "1"  # a short run: no transformers, no regular path
-        f = ferrolm_bench(name, 2048, 128, 3)
+        f = ferrolm_bench(name, PROMPT, DECODE, 3)
         # The same decode after a 16-token prompt: the step then reads the weights and hardly any
         # K/V (after the 2,048-token prompt it also reads the cache, which the roofline leaves out).
-        short = ferrolm_bench(name, 16, 128, 3)
+        short = ferrolm_bench(name, 16, DECODE, 3)
         eager = None if quick else ferrolm_bench(name, 2048, 128, 1, "eager-static")
         regular = None if quick else ferrolm_bench(name, 2048, 128, 1, "regular")
         h = {"prefill_tps": float("nan"), "decode_tps": float("nan")} if quick else hf_bench(name, 2048, 128, 2)
-        row = {"ferrolm": f, "short_prompt": short, "kv_bytes": kv_bytes(name, 2048 + 64), "eager_static": eager, "regular": regular, "transformers": h}
+        row = {"ferrolm": f, "short_prompt": short, "kv_bytes": kv_bytes(name, PROMPT + DECODE // 2), "eager_static": eager, "regular": regular, "transformers": h}
         for v in ("graph-smem", "graph-cublas"):  # A/B of the matrix-vector kernel
             r = ferrolm_bench(name, 2048, 128, 1, v)
             row[v] = {"decode_tps": r["decode_tps"], "prefill_tps": r["prefill_tps"], "same_ids": r["decoded_ids"] == f["decoded_ids"]} if r and f else None
@@ -173,7 +176,7 @@ def table():
         roof = row.get("roofline_tps", float("nan"))
         fd = f.get("decode_tps", float("nan"))
         sd = (row.get("short_prompt") or {}).get("decode_tps", float("nan"))
-        # The step's own bytes at the mean context of the 128 decoded tokens: weights and K/V.
+        # The step's own bytes at the mean context of the decoded tokens: weights and K/V.
         kv_share = fd * (f.get("weight_bytes", 0) + row.get("kv_bytes", 0)) / results.get("d2d_bytes_per_s", float("nan"))
         lines.append(f"| {name} | {f.get('weight_bytes', 0) / 1e9:.2f} | {roof:.0f} | {fd:.1f} | {100 * fd / roof:.1f}% | {100 * kv_share:.1f}% | {sd:.1f} | {100 * sd / roof:.1f}% | "
                      f"{h['decode_tps']:.1f} | {fd / h['decode_tps']:.2f} | {f.get('prefill_tps', float('nan')):.0f} | {h['prefill_tps']:.0f} | "

@@ -148,12 +148,12 @@ def benches():
         # The same decode after a 16-token prompt: the step then reads the weights and hardly any
         # K/V (after the 2,048-token prompt it also reads the cache, which the roofline leaves out).
         short = ferrolm_bench(name, 16, DECODE, 3)
-        eager = None if quick else ferrolm_bench(name, 2048, 128, 1, "eager-static")
-        regular = None if quick else ferrolm_bench(name, 2048, 128, 1, "regular")
-        h = {"prefill_tps": float("nan"), "decode_tps": float("nan")} if quick else hf_bench(name, 2048, 128, 2)
+        eager = None if quick else ferrolm_bench(name, PROMPT, DECODE, 1, "eager-static")
+        regular = None if quick else ferrolm_bench(name, PROMPT, DECODE, 1, "regular")
+        h = {"prefill_tps": float("nan"), "decode_tps": float("nan")} if quick else hf_bench(name, PROMPT, DECODE, 2)
         row = {"ferrolm": f, "short_prompt": short, "kv_bytes": kv_bytes(name, PROMPT + DECODE // 2), "eager_static": eager, "regular": regular, "transformers": h}
         for v in ("graph-smem", "graph-cublas"):  # A/B of the matrix-vector kernel
-            r = ferrolm_bench(name, 2048, 128, 1, v)
+            r = ferrolm_bench(name, PROMPT, DECODE, 1, v)
             row[v] = {"decode_tps": r["decode_tps"], "prefill_tps": r["prefill_tps"], "same_ids": r["decoded_ids"] == f["decoded_ids"]} if r and f else None
         if f and eager:
             # The captured step must replay exactly what the eager step computes.

@@ -27,8 +27,20 @@ pub struct Positions {
     pub key_start: usize,
 }
 
-/// q `[T, Hq, D]`, k and v `[Hkv, S, D]` → `[T, Hq·D]`.
+/// q `[T, Hq, D]`, k and v `[Hkv, S, D]` → `[T, Hq·D]`: queries of decode rows (one token of a
+/// sequence, or a few being verified), each on the kernel a lone decode uses.
 pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, pos: Positions, p: &AttentionParams) -> candle_core::Result<Tensor> {
+    attend_as(q, k, v, pos, p, false)
+}
+
+/// `attend` for the queries of a prompt chunk: on the CPU always the tiled prefill kernel,
+/// whose result for a query does not depend on the other queries of its call, so a prompt's
+/// attention is the same however it was cut into chunks (a chunk of one token included).
+pub fn attend_prompt(q: &Tensor, k: &Tensor, v: &Tensor, pos: Positions, p: &AttentionParams) -> candle_core::Result<Tensor> {
+    attend_as(q, k, v, pos, p, true)
+}
+
+fn attend_as(q: &Tensor, k: &Tensor, v: &Tensor, pos: Positions, p: &AttentionParams, prompt: bool) -> candle_core::Result<Tensor> {
     let (_, hq, _) = q.dims3()?;
     let (hkv, _, _) = k.dims3()?;
     if hq % hkv != 0 {
@@ -39,13 +51,13 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, pos: Positions, p: &AttentionP
         // An f16 cache (the CPU default) is read by the decode and the tiled kernel directly;
         // the per-row kernel (2 or 3 new tokens, e.g. a speculative check) takes f32.
         let t = q.dims()[0];
-        let reads_f16 = (t == 1 && decode_kernel(q.dims()[2])) || t >= TILED_MIN_TOKENS;
+        let reads_f16 = prompt || (t == 1 && decode_kernel(q.dims()[2])) || t >= TILED_MIN_TOKENS;
         if kv_is(DType::F16) && !reads_f16 {
-            return attend(q, &k.to_dtype(DType::F32)?, &v.to_dtype(DType::F32)?, pos, p);
+            return attend_as(q, &k.to_dtype(DType::F32)?, &v.to_dtype(DType::F32)?, pos, p, prompt);
         }
         if kv_is(DType::F32) || kv_is(DType::F16) {
             let q = q.contiguous()?;
-            return q.apply_op3_no_bwd(k, v, &AttendCpu { pos, params: *p });
+            return q.apply_op3_no_bwd(k, v, &AttendCpu { pos, params: *p, prompt });
         }
     }
     if !matches!(q.device(), Device::Cpu) {
@@ -103,6 +115,8 @@ fn build_mask(t: usize, s: usize, group: usize, pos: Positions, window: Option<u
 struct AttendCpu {
     pos: Positions,
     params: AttentionParams,
+    /// Prompt rows: always the tiled kernel (see `attend_prompt`).
+    prompt: bool,
 }
 
 impl CustomOp3 for AttendCpu {
@@ -124,7 +138,7 @@ impl CustomOp3 for AttendCpu {
         let (hkv, s, _) = kl.shape().dims3()?;
         let q = &q[ql.start_offset()..ql.start_offset() + t * hq * d];
         let mut out = vec![0f32; t * hq * d];
-        if t == 1 && decode_kernel(d) {
+        if !self.prompt && t == 1 && decode_kernel(d) {
             let (lo, hi) = visible_keys(self.pos.query_start, s, self.pos, self.params.window);
             #[cfg(target_arch = "x86_64")]
             {
@@ -146,7 +160,7 @@ impl CustomOp3 for AttendCpu {
             let _ = (lo, hi);
             return Ok((CpuStorage::F32(out), Shape::from((t, hq * d))));
         }
-        if t >= TILED_MIN_TOKENS {
+        if self.prompt || t >= TILED_MIN_TOKENS {
             let (pos, window) = (self.pos, self.params.window);
             let visible = move |i: usize| visible_keys(pos.query_start + i, s, pos, window);
             let call = Call {
@@ -341,6 +355,36 @@ mod tests {
         check_d(128, 1, 8, 8, 40, Positions { query_start: 39, key_start: 0 }, None, None);
         check_d(256, 1, 4, 1, 700, Positions { query_start: 699, key_start: 0 }, Some(512), Some(30.0));
         check_d(64, 1, 14, 2, 1000, Positions { query_start: 1100, key_start: 101 }, Some(90), None);
+    }
+
+    /// A prompt's attention is the same bits however it is cut into chunks: each chunk sees
+    /// the keys up to its end, as the cache hands them out; a window and f16 keys included.
+    #[test]
+    fn prompt_attention_ignores_chunking() {
+        let dev = Device::Cpu;
+        let (t, hq, hkv, d) = (23, 6, 2, 64);
+        let q = Tensor::randn(0f32, 1.0, (t, hq, d), &dev).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (hkv, t, d), &dev).unwrap().to_dtype(DType::F16).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (hkv, t, d), &dev).unwrap().to_dtype(DType::F16).unwrap();
+        for window in [None, Some(7)] {
+            let p = AttentionParams { scale: 0.125, window, softcap: None };
+            let run = |start: usize, len: usize| {
+                let keys = |x: &Tensor| x.narrow(1, 0, start + len).unwrap();
+                let pos = Positions { query_start: start, key_start: 0 };
+                attend_prompt(&q.narrow(0, start, len).unwrap(), &keys(&k), &keys(&v), pos, &p).unwrap()
+            };
+            let whole: Vec<u32> = run(0, t).flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
+            for cuts in [vec![1, 2, 20], vec![3, 4, 16], vec![9, 1, 13], vec![22, 1]] {
+                let mut start = 0;
+                let mut parts = Vec::new();
+                for len in cuts {
+                    parts.push(run(start, len));
+                    start += len;
+                }
+                let chunked: Vec<u32> = Tensor::cat(&parts, 0).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
+                assert_eq!(whole, chunked, "window {window:?}");
+            }
+        }
     }
 
     /// The tiled prefill kernel (t ≥ TILED_MIN_TOKENS): head sizes that are and are not multiples

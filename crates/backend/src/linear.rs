@@ -160,9 +160,20 @@ impl Linear {
         self.bytes
     }
 
+    /// y = x Wᵀ (+ b); on the CPU one row is a decode row and several are prompt rows (see
+    /// [`Linear::forward_rows`]).
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let rows = x.elem_count() / x.dim(candle_core::D::Minus1)?.max(1);
+        self.forward_rows(x, usize::from(rows == 1))
+    }
+
+    /// `forward` where the first `decode_rows` rows of x are decode rows (one token of each of
+    /// several sequences) and the rest prompt rows. On the CPU each decode row's result is then
+    /// bit-identical to its product alone and each prompt row's independent of how its prompt
+    /// was cut into chunks (`CpuMatmul::forward_rows`); other devices ignore the split.
+    pub fn forward_rows(&self, x: &Tensor, decode_rows: usize) -> candle_core::Result<Tensor> {
         let y = match &self.kernel {
-            Kernel::Cpu(mm) => x.contiguous()?.apply_op1_no_bwd(&CpuLinearOp(mm))?,
+            Kernel::Cpu(mm) => x.contiguous()?.apply_op1_no_bwd(&CpuLinearOp { mm, decode_rows })?,
             Kernel::Dense(w) => dense_forward(x, w)?,
             Kernel::Candle(mms) if !matches!(x.device(), Device::Cpu) => device_forward(mms, x)?,
             Kernel::Candle(mms) if mms.len() == 1 => mms[0].forward(x)?,
@@ -366,7 +377,10 @@ fn stack_biases(
     Tensor::cat(&parts, 0).map(Some)
 }
 
-struct CpuLinearOp<'a>(&'a CpuMatmul);
+struct CpuLinearOp<'a> {
+    mm: &'a CpuMatmul,
+    decode_rows: usize,
+}
 
 impl CustomOp1 for CpuLinearOp<'_> {
     fn name(&self) -> &'static str {
@@ -377,15 +391,16 @@ impl CustomOp1 for CpuLinearOp<'_> {
         let CpuStorage::F32(data) = storage else { candle_core::bail!("cpu-linear: expected f32 input") };
         let dims = layout.shape().dims();
         let k = *dims.last().unwrap_or(&0);
-        if k != self.0.cols() {
-            candle_core::bail!("cpu-linear: input has {k} features, weight expects {}", self.0.cols())
+        let mm = self.mm;
+        if k != mm.cols() {
+            candle_core::bail!("cpu-linear: input has {k} features, weight expects {}", mm.cols())
         }
         let t = layout.shape().elem_count() / k.max(1);
         let x = &data[layout.start_offset()..layout.start_offset() + t * k];
-        let mut y = vec![0f32; t * self.0.rows()];
-        self.0.forward(x, t, &mut y);
+        let mut y = vec![0f32; t * mm.rows()];
+        mm.forward_rows(x, t, self.decode_rows, &mut y);
         let mut out_dims = dims.to_vec();
-        *out_dims.last_mut().unwrap() = self.0.rows();
+        *out_dims.last_mut().unwrap() = mm.rows();
         Ok((CpuStorage::F32(y), Shape::from(out_dims)))
     }
 }

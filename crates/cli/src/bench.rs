@@ -58,7 +58,7 @@ pub fn run(args: Args) -> CliResult<()> {
     // The captured step pays off where launches cost (GPUs); on CPU the regular forward is faster.
     let use_static = !args.no_static && !model.device().is_cpu();
     let mut decoder = match use_static {
-        true => GraphDecoder::new(model).map_err(CliError::runtime)?,
+        true => GraphDecoder::new(model, ferrolm_engine::GraphSettings::from_env()).map_err(CliError::runtime)?,
         false => None,
     };
     // One cache for all runs, as a server slot is reused: a captured step stays valid.
@@ -153,7 +153,7 @@ fn one_run(
     let start = Instant::now();
     let (body, tail) = prompt.split_at(prompt.len() - 1);
     for chunk in body.chunks(2048) {
-        model.forward_hidden(&mut [SeqInput { tokens: chunk, cache }])?;
+        model.forward_hidden(&mut [SeqInput::prompt(chunk, cache)])?;
     }
     let first = next_token(model, cache, tail)?;
     let ttft = start.elapsed().as_secs_f64();
@@ -203,7 +203,7 @@ fn next_token(
     cache: &mut ferrolm_kv::SeqCache,
     tokens: &[u32],
 ) -> candle_core::Result<u32> {
-    let h = model.forward_hidden(&mut [SeqInput { tokens, cache }])?;
+    let h = model.forward_hidden(&mut [SeqInput::decode(tokens, cache)])?;
     model
         .project_logits(&h)?
         .squeeze(0)?

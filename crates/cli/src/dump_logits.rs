@@ -55,10 +55,10 @@ pub fn run(args: Args) -> CliResult<()> {
 
 fn teacher_forced(model: &dyn ferrolm_models::CausalLm, ids: &[u32], from: usize) -> candle_core::Result<Vec<f32>> {
     let mut cache = model.make_cache();
-    model.forward_hidden(&mut [SeqInput { tokens: &ids[..from], cache: &mut cache }])?;
+    model.forward_hidden(&mut [SeqInput::prompt(&ids[..from], &mut cache)])?;
     let mut out = Vec::new();
     for i in from..ids.len() {
-        let h = model.forward_hidden(&mut [SeqInput { tokens: &ids[i..=i], cache: &mut cache }])?;
+        let h = model.forward_hidden(&mut [SeqInput::decode(&ids[i..=i], &mut cache)])?;
         out.extend(model.project_logits(&h)?.to_dtype(DType::F32)?.squeeze(0)?.to_vec1::<f32>()?);
     }
     Ok(out)

@@ -112,13 +112,13 @@ pub fn run(args: Args) -> CliResult<()> {
         params: &params,
         eos_ids: &bundle.eos_ids,
         cancel: &CancelToken::new(),
+        graph: ferrolm_engine::GraphSettings::from_env(),
     };
     let stats = generate(
         bundle.model.as_ref(),
         &mut bundle.model.make_cache(),
         input,
         &mut sampler,
-        None,
         &mut |e| {
             out.token(e);
             Flow::Continue

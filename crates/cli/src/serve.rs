@@ -5,7 +5,7 @@
 
 use crate::{CliError, CliResult};
 use ferrolm_core::SamplingParams;
-use ferrolm_engine::{bundle, EngineConfig, EngineHandle};
+use ferrolm_engine::{bundle, BatchConfig, EngineConfig, EngineHandle, GraphSettings};
 use ferrolm_models::GenerationConfig;
 use ferrolm_server::{AppState, ServerConfig};
 use ferrolm_text::ChatTemplate;
@@ -59,6 +59,17 @@ pub struct Args {
     /// Requests that may wait for the engine; more get 429.
     #[arg(long, default_value_t = 64)]
     queue_size: usize,
+    /// Sequences decoded together at most (continuous batching); more wait in the queue.
+    #[arg(long, visible_alias = "decode-concurrency", default_value_t = ferrolm_engine::config::DEFAULT_MAX_SEQS)]
+    max_seqs: usize,
+    /// Tokens forwarded per engine step at most: every running decode's row, then prompt chunks.
+    #[arg(long, default_value_t = ferrolm_engine::config::DEFAULT_MAX_BATCH_TOKENS)]
+    max_batch_tokens: usize,
+    /// KV-cache memory the running sequences may hold, in MiB (default: half the available
+    /// memory). A request that could never fit is refused; others wait, or the newest running
+    /// one is preempted and recomputed later.
+    #[arg(long)]
+    kv_budget_mb: Option<usize>,
     /// cpu, cuda, cuda:N or auto.
     #[arg(long, default_value = "auto")]
     device: String,
@@ -76,8 +87,6 @@ pub struct Args {
     num_draft_tokens: usize,
     #[arg(long)]
     trust_remote_code: bool,
-    #[arg(long, default_value_t = 32)]
-    decode_concurrency: usize,
     #[arg(long, default_value_t = 8)]
     prompt_concurrency: usize,
     #[arg(long, default_value_t = 10)]
@@ -94,6 +103,17 @@ pub struct Args {
     /// simulated ranks on the CPU with `--device cpu`.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     tensor_parallel: u32,
+}
+
+impl Args {
+    /// The engine's settings: flags, then the environment's levers (read once, here).
+    fn engine_config(&self) -> EngineConfig {
+        let mut batch = BatchConfig { max_batch_tokens: self.max_batch_tokens.max(1), max_seqs: self.max_seqs.max(1), ..Default::default() };
+        if let Some(mb) = self.kv_budget_mb {
+            batch.kv_budget_bytes = mb << 20;
+        }
+        EngineConfig { queue_capacity: self.queue_size.max(1), batch, graph: GraphSettings::from_env() }
+    }
 }
 
 const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + \
@@ -177,7 +197,7 @@ pub fn run(args: Args) -> CliResult<()> {
         ..Default::default()
     };
     let model_name = bundle.path.display().to_string();
-    let engine = EngineHandle::spawn(Arc::new(bundle), EngineConfig { queue_capacity: args.queue_size.max(1) });
+    let engine = EngineHandle::spawn(Arc::new(bundle), args.engine_config());
     let state = Arc::new(AppState::new(engine, config, template_source.as_deref()));
     // HTTP work per token is small (one SSE chunk), but on a machine with few cores every worker
     // that wakes takes a core from the compute threads: measured 4% of decode on 2 cores with two

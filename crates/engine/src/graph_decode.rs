@@ -12,21 +12,14 @@
 
 use candle_core::{DType, Device, Result, Tensor, TensorId};
 use ferrolm_backend::graph::{self, StepGraph, TokenReader};
+use crate::config::GraphSettings;
 use ferrolm_kv::SeqCache;
 use ferrolm_models::CausalLm;
 
-static FORCE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Makes the engine decode plain greedy requests through the static step on every device, CPU
-/// included (where it runs eagerly and is slower): lets the tests drive the GPU code path.
-pub fn force_static_decode(on: bool) {
-    FORCE.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Whether the engine should decode plain greedy requests on `model` through the static step.
-pub fn use_static_decode(model: &dyn CausalLm) -> bool {
-    model.has_static_decode()
-        && (graph::supported(model.device()) || FORCE.load(std::sync::atomic::Ordering::Relaxed))
+/// Whether the engine should decode plain greedy requests on `model` through the static step:
+/// on devices with step graphs, or everywhere when `settings.on_cpu` (tests).
+pub fn use_static_decode(model: &dyn CausalLm, settings: &GraphSettings) -> bool {
+    model.has_static_decode() && (graph::supported(model.device()) || settings.on_cpu)
 }
 
 /// Device-resident state of a greedy decode, reusable across generations: the graph stays
@@ -38,6 +31,7 @@ pub struct GraphDecoder {
     graph: Option<Captured>,
     reader: TokenReader,
     capture_failed: bool,
+    settings: GraphSettings,
 }
 
 /// A captured graph of `steps` consecutive steps, the cache buffers it was captured over (it is
@@ -59,14 +53,14 @@ pub enum DecodePath {
 
 impl GraphDecoder {
     /// `None` when the model has no static step (the caller decodes as usual).
-    pub fn new(model: &dyn CausalLm) -> Result<Option<Self>> {
+    pub fn new(model: &dyn CausalLm, settings: GraphSettings) -> Result<Option<Self>> {
         if !model.has_static_decode() {
             return Ok(None);
         }
         let device = model.device().clone();
         let token = Tensor::zeros(1, DType::U32, &device)?;
         let pos = Tensor::zeros(1, DType::U32, &device)?;
-        Ok(Some(Self { reader: TokenReader::new(&device)?, device, token, pos, graph: None, capture_failed: false }))
+        Ok(Some(Self { reader: TokenReader::new(&device)?, device, token, pos, graph: None, capture_failed: false, settings }))
     }
 
     /// Decodes up to `n` tokens greedily after `first` (the token the prefill's logits gave,
@@ -89,7 +83,7 @@ impl GraphDecoder {
             return Ok(Some(DecodePath::Eager));
         }
         // Spare rows: the steps queued past the last delivered token (at most two graphs).
-        let Some(kv) = cache.static_buffers(n + 2 * steps_per_graph())? else { return Ok(None) };
+        let Some(kv) = cache.static_buffers(n + 2 * self.settings.steps)? else { return Ok(None) };
         let start = cache.offset() as u32;
         self.reader.clear_mirror()?;
         self.token.slice_set(&Tensor::new(&[first], &self.device)?, 0, 0)?;
@@ -164,12 +158,12 @@ impl GraphDecoder {
     /// is unsupported or fails. A graph of several steps needs the token mirror (the host reads
     /// every step's token); without it the graph holds one step.
     fn prepare_graph(&mut self, kv: &[(Tensor, Tensor)], step: &mut dyn FnMut() -> Result<()>) -> DecodePath {
-        if !graph::supported(&self.device) || self.capture_failed || std::env::var("FERROLM_CUDA_GRAPH").is_ok_and(|v| v == "0") {
+        if !graph::supported(&self.device) || self.capture_failed || !self.settings.capture {
             return DecodePath::Eager;
         }
         let buffers = buffer_ids(kv);
         let device = self.device.clone();
-        let mut steps = if mirror_tokens() { steps_per_graph() } else { 1 };
+        let mut steps = if self.settings.mirror { self.settings.steps } else { 1 };
         let mut captured = self.capture(&device, steps, step);
         if steps > 1 {
             if let Ok((graph, false)) = captured {
@@ -206,7 +200,7 @@ impl GraphDecoder {
             }
             Ok(())
         };
-        match mirror_tokens() {
+        match self.settings.mirror {
             true => {
                 let (g, mirrored) = self.reader.mirrored(|| graph::capture(device, &mut all));
                 Ok((g?, mirrored))
@@ -224,29 +218,11 @@ fn launch_now(launched: usize, delivered: usize, n: usize, steps: usize) -> bool
     launched < n && launched < delivered + 1 + steps
 }
 
-/// Decode steps per graph replay (`FERROLM_GRAPH_STEPS`, 1 to MIRROR_SLOTS / 2): more steps per
-/// graph mean fewer graph boundaries, where the device idles between the head kernel of one
-/// replay and the first kernel of the next, at the price of the queued steps past a stop.
-fn steps_per_graph() -> usize {
-    std::env::var("FERROLM_GRAPH_STEPS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or(DEFAULT_GRAPH_STEPS)
-        .clamp(1, graph::MIRROR_SLOTS / 2)
-}
-
-const DEFAULT_GRAPH_STEPS: usize = 1;
-
 /// The cache buffers a captured step reads and writes: its graph is valid while they stay.
 fn buffer_ids(kv: &[(Tensor, Tensor)]) -> Vec<TensorId> {
     kv.iter().flat_map(|(k, v)| [k.id(), v.id()]).collect()
 }
 
-/// Whether captured steps store their tokens into the host mirror (`FERROLM_TOKEN_MIRROR=0`:
-/// read each by a copy and an event queued after its replay, as before 2026-12-05).
-fn mirror_tokens() -> bool {
-    !std::env::var("FERROLM_TOKEN_MIRROR").is_ok_and(|v| v == "0")
-}
 
 #[cfg(test)]
 mod tests {

@@ -1,17 +1,25 @@
-//! The engine room: the generation loop (prefill planner, decode loop), the engine thread and
-//! its request queue, and later batching, speculative decoding and checkpoints. Knows models
+//! The engine room: sequences advanced together by the engine step (continuous batching:
+//! `scheduler`, `seq`, `step`), the engine thread and its request queue (`service`), the
+//! one-sequence path (`generate`) and the captured greedy step (`graph_decode`). Knows models
 //! through `CausalLm` and nothing of HTTP.
 
 pub mod bundle;
+pub mod config;
+mod gauges;
 mod generate;
 pub mod graph_decode;
-mod prefill;
 mod sampler;
+pub mod scheduler;
+mod seq;
 pub mod service;
+mod step;
 
 pub use bundle::{Bundle, BundleError};
+pub use config::{BatchConfig, GraphSettings};
+pub use gauges::{EngineGauges, Histogram, BUCKETS};
+pub use generate::{generate, Flow, GenerateInput};
 pub use graph_decode::{DecodePath, GraphDecoder};
-pub use generate::{generate, Flow, GenerateInput, SnapshotHook};
-pub use prefill::{plan_prefill, PrefillChunk};
 pub use sampler::{Sampled, TokenSampler};
+pub use seq::{SeqRequest, Sink};
 pub use service::{EngineConfig, EngineHandle, Event, Request, SubmitError};
+pub use step::{Batch, StepReport};

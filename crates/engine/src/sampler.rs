@@ -34,3 +34,14 @@ impl TokenSampler for ferrolm_sample::Sampler {
         ferrolm_sample::Sampler::is_plain_greedy(self)
     }
 }
+
+/// A borrowed sampler samples as the sampler it borrows (for `generate`).
+impl<T: TokenSampler + ?Sized> TokenSampler for &mut T {
+    fn sample(&mut self, logits: &Tensor, history: &[TokenId]) -> candle_core::Result<Sampled> {
+        (**self).sample(logits, history)
+    }
+
+    fn is_plain_greedy(&self) -> bool {
+        (**self).is_plain_greedy()
+    }
+}

@@ -1,14 +1,18 @@
-//! The engine as a service: one thread owns the model and runs requests from a bounded FIFO;
-//! callers submit from any thread and receive events on a channel. A closed receiver (client
-//! gone) or a cancelled token stops the request at the next step; a panic in one request is
-//! reported to that request only.
+//! The engine as a service: one thread owns the model and advances every admitted request one
+//! engine step at a time (`step.rs`); callers submit from any thread into a bounded queue and
+//! receive events on a channel. A closed receiver (client gone) or a cancelled token ends the
+//! request at the next step; a failure in one request is reported to that request only.
 
 use crate::bundle::Bundle;
-use crate::{generate, Flow, GenerateInput};
+use crate::config::{BatchConfig, GraphSettings};
+use crate::gauges::EngineGauges;
+use crate::seq::{SeqRequest, Sink};
+use crate::step::Batch;
+use crate::Flow;
 use ferrolm_core::{CancelToken, GenerateParams, GenerationStats, TokenEvent, TokenId};
 use ferrolm_sample::{Sampler, SamplerConfig};
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
@@ -17,11 +21,13 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 pub struct EngineConfig {
     /// Requests that may wait for the engine; more are refused (HTTP 429).
     pub queue_capacity: usize,
+    pub batch: BatchConfig,
+    pub graph: GraphSettings,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { queue_capacity: 64 }
+        Self { queue_capacity: 64, batch: BatchConfig::default(), graph: GraphSettings::default() }
     }
 }
 
@@ -45,18 +51,13 @@ pub enum SubmitError {
     QueueFull,
     #[error("the engine has stopped")]
     Stopped,
+    #[error("the request needs {needed} tokens of KV cache (prompt and max_tokens), more than this server's KV budget of {budget}")]
+    TooLarge { needed: usize, budget: usize },
 }
 
 struct Job {
     request: Request,
     events: UnboundedSender<Event>,
-}
-
-/// Counters the server exports as metrics.
-#[derive(Default)]
-pub struct EngineGauges {
-    pub queued: AtomicUsize,
-    pub running: AtomicUsize,
 }
 
 /// A cheap handle to the engine thread.
@@ -65,6 +66,7 @@ pub struct EngineHandle {
     jobs: SyncSender<Job>,
     gauges: Arc<EngineGauges>,
     bundle: Arc<Bundle>,
+    kv_budget_tokens: usize,
 }
 
 impl EngineHandle {
@@ -72,19 +74,14 @@ impl EngineHandle {
     pub fn spawn(bundle: Arc<Bundle>, cfg: EngineConfig) -> Self {
         let (jobs, rx) = sync_channel(cfg.queue_capacity);
         let gauges = Arc::new(EngineGauges::default());
-        let worker = Worker {
-            bundle: bundle.clone(),
-            gauges: gauges.clone(),
-        };
+        let bytes_per_token = bundle.model.make_cache().bytes_per_token();
+        let kv_budget_tokens = crate::scheduler::kv_budget_tokens(&cfg.batch, bytes_per_token);
+        let worker = Worker { bundle: bundle.clone(), gauges: gauges.clone(), cfg };
         std::thread::Builder::new()
             .name("ferrolm-engine".into())
             .spawn(move || worker.run(rx))
             .expect("spawn the engine thread");
-        Self {
-            jobs,
-            gauges,
-            bundle,
-        }
+        Self { jobs, gauges, bundle, kv_budget_tokens }
     }
 
     pub fn bundle(&self) -> &Arc<Bundle> {
@@ -96,8 +93,13 @@ impl EngineHandle {
     }
 
     /// Queues a request; its events arrive on the returned receiver. Dropping the receiver
-    /// cancels the request.
+    /// cancels the request. A request whose prompt and `max_tokens` could never fit the KV
+    /// budget is refused here, before any work.
     pub fn submit(&self, request: Request) -> Result<UnboundedReceiver<Event>, SubmitError> {
+        let needed = request.prompt.len() + request.params.max_tokens;
+        if needed > self.kv_budget_tokens {
+            return Err(SubmitError::TooLarge { needed, budget: self.kv_budget_tokens });
+        }
         let (events, rx) = unbounded_channel();
         self.gauges.queued.fetch_add(1, Ordering::SeqCst);
         match self.jobs.try_send(Job { request, events }) {
@@ -113,66 +115,90 @@ impl EngineHandle {
     }
 }
 
-struct Worker {
-    bundle: Arc<Bundle>,
-    gauges: Arc<EngineGauges>,
+/// A request's events channel as the sequence's sink.
+struct ChannelSink {
+    events: UnboundedSender<Event>,
+    cancel: CancelToken,
 }
 
-impl Worker {
-    fn run(self, jobs: Receiver<Job>) {
-        while let Ok(job) = jobs.recv() {
-            self.gauges.queued.fetch_sub(1, Ordering::SeqCst);
-            // A client that left while waiting is dropped from the queue without work.
-            if job.events.is_closed() || job.request.cancel.is_cancelled() {
-                continue;
-            }
-            self.gauges.running.fetch_add(1, Ordering::SeqCst);
-            let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.execute(&job)));
-            let last = match outcome {
-                Ok(Ok(stats)) => Event::Done(stats),
-                Ok(Err(message)) => Event::Error(message),
-                Err(panic) => Event::Error(panic_message(panic)),
-            };
-            let _ = job.events.send(last);
-            self.gauges.running.fetch_sub(1, Ordering::SeqCst);
+impl Sink for ChannelSink {
+    fn token(&mut self, event: TokenEvent) -> Flow {
+        match self.events.send(Event::Token(event)) {
+            Ok(()) if !self.cancel.is_cancelled() => Flow::Continue,
+            _ => Flow::Stop,
         }
     }
 
-    fn execute(&self, job: &Job) -> Result<GenerationStats, String> {
-        let b = &self.bundle;
-        let r = &job.request;
-        let cfg = SamplerConfig {
-            vocab_size: b.model.info().vocab_size,
-            xtc_special_tokens: b.xtc_special_tokens(),
-            ..Default::default()
-        };
-        let mut sampler = Sampler::new(&r.params.sampling, &cfg)?;
-        let mut eos = b.eos_ids.clone();
-        eos.extend(&r.params.stop_token_ids);
-        let input = GenerateInput {
-            prompt: &r.prompt,
-            params: &r.params,
-            eos_ids: &eos,
-            cancel: &r.cancel,
-        };
-        let mut cache = b.model.make_cache();
-        let mut on_token = |e: TokenEvent| match job.events.send(Event::Token(e)) {
-            Ok(()) if !r.cancel.is_cancelled() => Flow::Continue,
-            _ => Flow::Stop,
-        };
-        generate(
-            b.model.as_ref(),
-            &mut cache,
-            input,
-            &mut sampler,
-            None,
-            &mut on_token,
-        )
-        .map_err(|e| e.to_string())
+    fn finish(&mut self, outcome: Result<GenerationStats, String>) {
+        let _ = self.events.send(match outcome {
+            Ok(stats) => Event::Done(stats),
+            Err(message) => Event::Error(message),
+        });
+    }
+
+    fn is_closed(&self) -> bool {
+        self.events.is_closed()
     }
 }
 
-fn panic_message(panic: Box<dyn std::any::Any + Send>) -> String {
+struct Worker {
+    bundle: Arc<Bundle>,
+    gauges: Arc<EngineGauges>,
+    cfg: EngineConfig,
+}
+
+impl Worker {
+    /// Steps every admitted request until none is left, then waits for the next one.
+    fn run(self, jobs: Receiver<Job>) {
+        let model = self.bundle.model.as_ref();
+        let mut batch = Batch::new(model, self.cfg.batch, self.cfg.graph);
+        loop {
+            if batch.is_idle() {
+                let Ok(job) = jobs.recv() else { return };
+                self.add(&mut batch, job);
+            }
+            while let Ok(job) = jobs.try_recv() {
+                self.add(&mut batch, job);
+            }
+            let gauges = &self.gauges;
+            let stepped = std::panic::catch_unwind(AssertUnwindSafe(|| batch.step(&|| gauges.queued.load(Ordering::Relaxed) > 0)));
+            match stepped {
+                Ok(report) => gauges.record(&report, batch.running(), batch.waiting()),
+                Err(panic) => {
+                    let message = panic_message(panic);
+                    tracing::error!("engine step panicked: {message}");
+                    batch.fail_all(&message);
+                }
+            }
+        }
+    }
+
+    /// Turns a queued job into a sequence of the batch (or answers it at once).
+    fn add(&self, batch: &mut Batch<'_>, job: Job) {
+        self.gauges.queued.fetch_sub(1, Ordering::SeqCst);
+        let Job { request: r, events } = job;
+        // A client that left while waiting is dropped from the queue without work.
+        if events.is_closed() || r.cancel.is_cancelled() {
+            return;
+        }
+        let b = &self.bundle;
+        let cfg = SamplerConfig { vocab_size: b.model.info().vocab_size, xtc_special_tokens: b.xtc_special_tokens(), ..Default::default() };
+        let sampler = match Sampler::new(&r.params.sampling, &cfg) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = events.send(Event::Error(e.to_string()));
+                return;
+            }
+        };
+        let mut eos_ids = b.eos_ids.clone();
+        eos_ids.extend(&r.params.stop_token_ids);
+        let sink = ChannelSink { events, cancel: r.cancel.clone() };
+        let req = SeqRequest { prompt: r.prompt, params: r.params, eos_ids, cancel: r.cancel, sampler: Box::new(sampler), sink: Box::new(sink) };
+        batch.add(req, b.model.make_cache());
+    }
+}
+
+pub(crate) fn panic_message(panic: Box<dyn std::any::Any + Send>) -> String {
     let what = panic
         .downcast_ref::<String>()
         .cloned()

@@ -15,7 +15,11 @@ use parity::our_greedy;
 /// Prefill, first token by argmax, then `n - 1` more through the decoder (stopping after `stop_at`).
 fn static_greedy(model: &dyn CausalLm, dec: &mut GraphDecoder, prompt: &[u32], n: usize, stop_at: usize) -> (Vec<u32>, usize) {
     let mut cache = model.make_cache();
-    let h = model.forward_hidden(&mut [SeqInput { tokens: prompt, cache: &mut cache }]).unwrap();
+    let (body, tail) = prompt.split_at(prompt.len() - 1);
+    if !body.is_empty() {
+        model.forward_hidden(&mut [SeqInput::prompt(body, &mut cache)]).unwrap();
+    }
+    let h = model.forward_hidden(&mut [SeqInput::decode(tail, &mut cache)]).unwrap();
     let first = model.project_logits(&h).unwrap().squeeze(0).unwrap().argmax(0).unwrap().to_scalar::<u32>().unwrap();
     let mut out = vec![first];
     let path = dec
@@ -34,7 +38,7 @@ fn static_decode_equals_regular_decode_on_the_default_model() {
     exact_activations();
     let Some(model) = open_model("SmolLM2-135M-Instruct.Q4_1.gguf") else { return };
     let fixture = load_fixture("SmolLM2-135M-Instruct.Q4_1.json");
-    let mut dec = GraphDecoder::new(model.as_ref()).unwrap().expect("llama has a static step");
+    let mut dec = GraphDecoder::new(model.as_ref(), Default::default()).unwrap().expect("llama has a static step");
     for name in ["chat_capital", "raw_code"] {
         let p = fixture.prompts.iter().find(|p| p.name == name).unwrap();
         let n = 24;
@@ -59,16 +63,17 @@ fn generate_uses_the_static_step_for_plain_greedy_requests() {
     let fixture = load_fixture("SmolLM2-135M-Instruct.Q4_1.json");
     let p = fixture.prompts.iter().find(|p| p.name == "chat_capital").unwrap();
     let want = our_greedy(model.as_ref(), &p.prompt_ids, 12, p.prompt_ids.len());
-    ferrolm_engine::graph_decode::force_static_decode(true);
     let run = |max_tokens: usize, eos: &[u32]| {
         let mut cache = model.make_cache();
         let params = GenerateParams { max_tokens, ..Default::default() };
-        let input = GenerateInput { prompt: &p.prompt_ids, params: &params, eos_ids: eos, cancel: &CancelToken::new() };
+        // The static step on the CPU too (eagerly), to drive the GPU's code path.
+        let graph = ferrolm_engine::GraphSettings { on_cpu: true, ..Default::default() };
+        let input = GenerateInput { prompt: &p.prompt_ids, params: &params, eos_ids: eos, cancel: &CancelToken::new(), graph };
         let sp = ferrolm_core::SamplingParams::default();
         let cfg = ferrolm_sample::SamplerConfig { vocab_size: model.info().vocab_size, ..Default::default() };
         let mut sampler = ferrolm_sample::Sampler::new(&sp, &cfg).unwrap();
         let mut out = Vec::new();
-        let stats = generate(model.as_ref(), &mut cache, input, &mut sampler, None, &mut |e| {
+        let stats = generate(model.as_ref(), &mut cache, input, &mut sampler, &mut |e| {
             out.push(e.token);
             Flow::Continue
         })
@@ -85,5 +90,4 @@ fn generate_uses_the_static_step_for_plain_greedy_requests() {
     assert_eq!(got, want[..4]);
     assert_eq!(stats.finish_reason, Some(ferrolm_core::FinishReason::Stop));
     assert_eq!(offset, p.prompt_ids.len() + 3);
-    ferrolm_engine::graph_decode::force_static_decode(false);
 }

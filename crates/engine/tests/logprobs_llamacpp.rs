@@ -44,12 +44,12 @@ fn compare(model: &dyn CausalLm, prompt: &[u32], continuation: &[u32], steps: &[
     let mut sampler = Sampler::new(&params, &cfg).unwrap();
     let mut cache = model.make_cache();
     let n = prompt.len();
-    model.forward_hidden(&mut [SeqInput { tokens: &prompt[..n - 1], cache: &mut cache }]).unwrap();
+    model.forward_hidden(&mut [SeqInput::prompt(&prompt[..n - 1], &mut cache)]).unwrap();
     let mut history = prompt.to_vec();
     let mut feed = prompt[n - 1];
     let mut w = Worst { greedy: 0.0, greedy_sum: 0.0, top: 0.0, steps: 0 };
     for (i, step) in steps.iter().enumerate() {
-        let h = model.forward_hidden(&mut [SeqInput { tokens: &[feed], cache: &mut cache }]).unwrap();
+        let h = model.forward_hidden(&mut [SeqInput::decode(&[feed], &mut cache)]).unwrap();
         let logits = model.project_logits(&h).unwrap().squeeze(0).unwrap();
         let s = sampler.sample(&logits, &history).unwrap();
         let lp = s.logprobs.expect("logprobs were asked for");

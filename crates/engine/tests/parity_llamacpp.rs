@@ -56,10 +56,7 @@ fn teacher_forced(
     let n = prompt.len();
     if n > 1 {
         model
-            .forward_hidden(&mut [SeqInput {
-                tokens: &prompt[..n - 1],
-                cache: &mut cache,
-            }])
+            .forward_hidden(&mut [SeqInput::prompt(&prompt[..n - 1], &mut cache)])
             .unwrap();
     }
     let mut feed = prompt[n - 1];
@@ -70,10 +67,7 @@ fn teacher_forced(
     };
     for (i, step) in steps.iter().enumerate() {
         let h = model
-            .forward_hidden(&mut [SeqInput {
-                tokens: &[feed],
-                cache: &mut cache,
-            }])
+            .forward_hidden(&mut [SeqInput::decode(&[feed], &mut cache)])
             .unwrap();
         let logits: Vec<f32> = model
             .project_logits(&h)
@@ -113,9 +107,10 @@ fn our_greedy(model: &dyn CausalLm, prompt: &[u32], n: usize) -> Vec<u32> {
         params: &params,
         eos_ids: &[],
         cancel: &CancelToken::new(),
+        graph: Default::default(),
     };
     let mut out = Vec::new();
-    generate(model, &mut cache, input, &mut Greedy, None, &mut |e| {
+    generate(model, &mut cache, input, &mut Greedy, &mut |e| {
         out.push(e.token);
         Flow::Continue
     })

@@ -309,29 +309,23 @@ impl CausalLm for Gemma3 {
     }
 
     fn forward_hidden(&self, batch: &mut [SeqInput<'_>]) -> Result<Tensor> {
-        let spans = layers::spans(batch.iter().map(|s| (s.tokens.len(), s.cache.offset())));
-        let ids: Vec<u32> = batch
-            .iter()
-            .flat_map(|s| s.tokens.iter().copied())
-            .collect();
-        let mut x = self.embed.forward(&ids, &self.device)?;
+        let rows = layers::BatchRows::of(batch)?;
+        let mut x = self.embed.forward(&layers::BatchRows::ids(batch), &self.device)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let mut caches: Vec<&mut dyn KvCache> =
                 batch.iter_mut().map(|s| s.cache.layer(i)).collect();
             let h = layer
                 .attn
-                .forward(&layer.attn_norm.forward(&x)?, &spans, &mut caches)?;
+                .forward(&layer.attn_norm.forward(&x)?, &rows, &mut caches)?;
             x = (x + layer.post_attn_norm.forward(&h)?)?;
-            let h = layer.mlp.forward(&layer.ffn_norm.forward(&x)?)?;
+            let h = layer.mlp.forward(&layer.ffn_norm.forward(&x)?, rows.decode_rows)?;
             x = (x + layer.post_ffn_norm.forward(&h)?)?;
         }
-        let last: Vec<u32> = spans.iter().map(|s| (s.row + s.len - 1) as u32).collect();
-        let last = Tensor::from_slice(&last, last.len(), &self.device)?;
-        self.norm.forward(&x.index_select(&last, 0)?)
+        self.norm.forward(&rows.decode_part(&x)?)
     }
 
     fn project_logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        let logits = self.lm_head.forward(hidden)?.to_dtype(DType::F32)?;
+        let logits = self.lm_head.forward_rows(hidden, hidden.dim(0)?)?.to_dtype(DType::F32)?;
         match self.cfg.final_logit_softcapping {
             Some(cap) => (logits / cap)?.tanh()? * cap,
             None => Ok(logits),

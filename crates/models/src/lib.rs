@@ -16,7 +16,7 @@ pub mod tensor_parallel;
 pub use config::{GenerationConfig, HfConfig};
 pub use loader::gguf::GgufFile;
 pub use loader::safetensors::HfModel;
-pub use model::{CausalLm, ModelInfo, SeqInput};
+pub use model::{CausalLm, ModelInfo, RowKind, SeqInput};
 pub use registry::{load, ModelSource};
 
 /// Errors while opening or building a model; always name the file or tensor involved.

@@ -20,6 +20,30 @@ pub struct ModelInfo {
 pub struct SeqInput<'a> {
     pub tokens: &'a [u32],
     pub cache: &'a mut SeqCache,
+    pub kind: RowKind,
+}
+
+/// What a sequence's rows are in a forward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowKind {
+    /// Prompt tokens whose keys and values are all that is wanted (no hidden state returned),
+    /// computed by the prefill kernels: the same bits however the prompt is cut into chunks.
+    Prompt,
+    /// Tokens whose hidden states are returned (one decode token, or several being verified),
+    /// computed by the decode kernels: a sequence gets the same bits in a batch as alone.
+    Decode,
+}
+
+impl<'a> SeqInput<'a> {
+    /// Prompt rows: their keys and values go into the cache; nothing is returned for them.
+    pub fn prompt(tokens: &'a [u32], cache: &'a mut SeqCache) -> Self {
+        Self { tokens, cache, kind: RowKind::Prompt }
+    }
+
+    /// Decode rows: every token's final hidden state is returned.
+    pub fn decode(tokens: &'a [u32], cache: &'a mut SeqCache) -> Self {
+        Self { tokens, cache, kind: RowKind::Decode }
+    }
 }
 
 /// A causal language model bound to a device: the backend seam of DESIGN §6.
@@ -30,8 +54,10 @@ pub trait CausalLm: Send + Sync {
     /// Fresh, empty caches for one sequence.
     fn make_cache(&self) -> SeqCache;
     /// Runs the new tokens of every sequence through the model, writing their keys and values
-    /// into the caches, and returns the final hidden state of each sequence's last token,
-    /// `[batch, hidden]`. The whole prompt is never projected to logits.
+    /// into the caches, and returns the final hidden state (final norm applied) of every decode
+    /// row, in order, `[decode rows, hidden]` (`[0, hidden]` when there are none): the whole
+    /// prompt is never projected to logits. Decode sequences come first in `batch` (an error
+    /// otherwise), so that their rows form one block that the decode kernels take.
     fn forward_hidden(&self, batch: &mut [SeqInput<'_>]) -> candle_core::Result<Tensor>;
     /// Final norm already applied: hidden `[batch, hidden]` → logits `[batch, vocab]` (f32).
     fn project_logits(&self, hidden: &Tensor) -> candle_core::Result<Tensor>;

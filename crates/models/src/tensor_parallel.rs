@@ -207,10 +207,9 @@ impl CausalLm for TensorParallelLlama {
     }
 
     fn forward_hidden(&self, batch: &mut [SeqInput<'_>]) -> Result<Tensor> {
-        let spans = layers::spans(batch.iter().map(|s| (s.tokens.len(), s.cache.offset())));
-        let ids: Vec<u32> = batch.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let rows = layers::BatchRows::of(batch)?;
         let dev0 = self.device();
-        let mut x = self.embed.forward(&ids, dev0)?;
+        let mut x = self.embed.forward(&layers::BatchRows::ids(batch), dev0)?;
         let world = self.world();
         for i in 0..self.cfg.num_hidden_layers {
             let mut parts = Vec::with_capacity(world);
@@ -218,23 +217,21 @@ impl CausalLm for TensorParallelLlama {
                 let layer = &rank.layers[i];
                 let mut caches: Vec<&mut dyn KvCache> = batch.iter_mut().map(|s| s.cache.layer(i * world + r)).collect();
                 let xr = x.to_device(&rank.device)?;
-                parts.push(layer.attn.forward(&layer.attn_norm.forward(&xr)?, &spans, &mut caches)?);
+                parts.push(layer.attn.forward(&layer.attn_norm.forward(&xr)?, &rows, &mut caches)?);
             }
             x = (x + self.reduce.sum(parts)?)?;
             let mut parts = Vec::with_capacity(world);
             for rank in &self.ranks {
                 let layer = &rank.layers[i];
                 let xr = x.to_device(&rank.device)?;
-                parts.push(layer.mlp.forward(&layer.ffn_norm.forward(&xr)?)?);
+                parts.push(layer.mlp.forward(&layer.ffn_norm.forward(&xr)?, rows.decode_rows)?);
             }
             x = (x + self.reduce.sum(parts)?)?;
         }
-        let last: Vec<u32> = spans.iter().map(|s| (s.row + s.len - 1) as u32).collect();
-        let last = Tensor::from_slice(&last, last.len(), dev0)?;
-        self.norm.forward(&x.index_select(&last, 0)?)
+        self.norm.forward(&rows.decode_part(&x)?)
     }
 
     fn project_logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        self.lm_head.forward(hidden)?.to_dtype(DType::F32)
+        self.lm_head.forward_rows(hidden, hidden.dim(0)?)?.to_dtype(DType::F32)
     }
 }

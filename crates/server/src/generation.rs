@@ -62,6 +62,7 @@ impl Generation {
         let events = state.engine.submit(request).map_err(|e| match e {
             SubmitError::QueueFull => ApiError::queue_full(),
             SubmitError::Stopped => ApiError::unavailable(e.to_string()),
+            SubmitError::TooLarge { .. } => ApiError::invalid(e.to_string(), Some("max_tokens")),
         })?;
         state.metrics.prompt_tokens(prompt_tokens);
         Ok(Generation {

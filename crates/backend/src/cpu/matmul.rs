@@ -233,9 +233,36 @@ impl CpuMatmul {
     /// `forward_at`, choosing exact (f32) or 8-bit activations for this call only (tests and
     /// comparisons; others follow the process-wide `set_exact_activations`).
     pub fn forward_with(&self, level: Level, exact: bool, x: &[f32], t: usize, y: &mut [f32]) {
+        self.forward_kind(level, exact, x, t, t == 1, y)
+    }
+
+    /// x `[t, cols]` → y `[t, rows]` where the first `decode_rows` tokens are decode rows (one
+    /// token of each of several sequences): they go through the decode kernels, so that each
+    /// one's result is bit-identical to that token's product alone; the other tokens (prompt
+    /// rows) through the prefill kernels, even one alone, so that a prompt's results do not
+    /// depend on how it was cut into chunks.
+    pub fn forward_rows(&self, x: &[f32], t: usize, decode_rows: usize, y: &mut [f32]) {
+        self.forward_rows_with(level(), super::exact_activations(), x, t, decode_rows, y)
+    }
+
+    /// `forward_rows` with a given feature level and choice of activations (see `forward_with`).
+    pub fn forward_rows_with(&self, level: Level, exact: bool, x: &[f32], t: usize, decode_rows: usize, y: &mut [f32]) {
+        let d = decode_rows.min(t);
+        let (xd, xp) = x.split_at(d * self.cols);
+        let (yd, yp) = y.split_at_mut(d * self.rows);
+        if d > 0 {
+            self.forward_kind(level, exact, xd, d, true, yd);
+        }
+        if t > d {
+            self.forward_kind(level, exact, xp, t - d, false, yp);
+        }
+    }
+
+    /// The product of `t` tokens, all decode rows (`decode`) or all prompt rows.
+    fn forward_kind(&self, level: Level, exact: bool, x: &[f32], t: usize, decode: bool, y: &mut [f32]) {
         assert_eq!(x.len(), t * self.cols);
         assert_eq!(y.len(), t * self.rows);
-        let a = Args { level, exact, m: self, x, t, y: SharedOut::new(y) };
+        let a = Args { level, exact, decode, m: self, x, t, y: SharedOut::new(y) };
         match self.format {
             Format::F32 => run::<formats::F32>(&a),
             Format::F16 => run::<formats::F16>(&a),
@@ -255,6 +282,8 @@ struct Args<'a> {
     level: Level,
     /// f32 activations even where an 8-bit kernel exists.
     exact: bool,
+    /// Every token is a decode row (decode kernels), else every token is a prompt row.
+    decode: bool,
     m: &'a CpuMatmul,
     x: &'a [f32],
     t: usize,
@@ -262,6 +291,7 @@ struct Args<'a> {
 }
 
 /// What a kernel sees: one part's rows, writing into the stacked output.
+#[derive(Clone, Copy)]
 struct PartArgs<'a> {
     level: Level,
     w: &'a [u8],
@@ -333,14 +363,18 @@ impl<T: Block> KernelBlock for T {}
 fn run<B: KernelBlock + 'static>(a: &Args) {
     let (rows, cols) = (a.m.rows, a.m.cols);
     let worth = rows * cols * a.t >= 1 << 15;
-    if a.t == 1 && int8_gemv(a, worth) {
+    let int8 = match (a.decode, a.t) {
+        (true, 1) => Int8::Gemv,
+        (true, _) => Int8::GemvTokens,
+        (false, _) => Int8::Gemm,
+    };
+    if int8_product(a, worth, int8) {
         return;
     }
-    if a.t > 1 && int8_gemm(a, worth) {
-        return;
-    }
-    if a.t == 1 {
+    if a.decode && a.t == 1 {
         parallel_ranges(rows, 4, worth, |rows| a.for_parts(rows, |p, rows| gemv_part::<B>(p, rows)));
+    } else if a.decode {
+        parallel_ranges(rows, 4, worth, |rows| a.for_parts(rows, |p, rows| gemv_tokens_part::<B>(p, rows)));
     } else {
         let nr = panel_width(a.level);
         let xp = pack_activations(a.x, a.t, cols, tile_height(a.level));
@@ -357,20 +391,13 @@ fn run<B: KernelBlock + 'static>(a: &Args) {
     }
 }
 
-/// Decode with 8-bit activations (`vnni`) where the format has a kernel, the CPU the
-/// instructions and exact activations were not asked for; false if it did not run.
-fn int8_gemv(a: &Args, worth: bool) -> bool {
-    int8_product(a, worth, Int8::Gemv)
-}
-
-/// Prefill with 8-bit activations (`vnni_gemm`), under the same conditions as `int8_gemv`.
-fn int8_gemm(a: &Args, worth: bool) -> bool {
-    int8_product(a, worth, Int8::Gemm)
-}
-
+/// The 8-bit products (AVX-512 VNNI, used where the format has a kernel and exact activations
+/// were not asked for): decode of one token (`vnni`), of several (`decode_batch`), prefill
+/// (`vnni_gemm`).
 #[derive(Clone, Copy)]
 enum Int8 {
     Gemv,
+    GemvTokens,
     Gemm,
 }
 
@@ -382,6 +409,7 @@ fn int8_product(a: &Args, worth: bool, kind: Int8) -> bool {
         fn run<V: super::vnni::Vnni>(a: &Args, worth: bool, kind: Int8, repacked: bool) {
             match kind {
                 Int8::Gemv => int8_gemv_with::<V>(a, worth, repacked),
+                Int8::GemvTokens => int8_gemv_tokens_with::<V>(a, worth, repacked),
                 Int8::Gemm => int8_gemm_with::<V>(a, worth, repacked),
             }
         }
@@ -491,6 +519,57 @@ fn int8_gemv_with<V: super::vnni::Vnni>(a: &Args, worth: bool, repacked: bool) {
             })
         });
     });
+}
+
+/// Decode of several tokens with 8-bit activations: each token quantized once (token-major),
+/// then every thread multiplies its rows with all of them (`decode_batch`, bit-identical to
+/// `int8_gemv_with` per token).
+#[cfg(target_arch = "x86_64")]
+fn int8_gemv_tokens_with<V: super::vnni::Vnni>(a: &Args, worth: bool, repacked: bool) {
+    use super::{decode_batch, vnni};
+    let (cols, pairs, t) = (a.m.cols, a.m.cols.div_ceil(64), a.t);
+    QX.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        buf.clear();
+        buf.resize(t * pairs, vnni::QPair::ZERO);
+        for (tok, q) in buf.chunks_exact_mut(pairs).enumerate() {
+            // SAFETY: `vnni::available()` was checked by the caller.
+            unsafe { vnni::quantize_into::<V>(&a.x[tok * cols..(tok + 1) * cols], q) };
+        }
+        let xq: &[vnni::QPair] = &buf;
+        let out_rows = a.m.rows;
+        if let Some(packed) = &a.m.packed {
+            parallel_ranges(out_rows, 4, worth, |rows| {
+                // SAFETY: VNNI was detected; ranges start at multiples of 4; each thread
+                // writes only its own rows of every token.
+                unsafe { packed.gemv_tokens(xq, t, rows, &mut |j, r, v| a.y.write(j * out_rows + r, v)) }
+            });
+            return;
+        }
+        parallel_ranges(out_rows, 4, worth, |rows| {
+            a.for_parts_of(rows, repacked, |p, rows| {
+                // SAFETY (both): VNNI was detected; `xq` holds the tokens for this format; each
+                // thread writes only its own rows of every token.
+                let mut y = |j: usize, r: usize, v: f32| unsafe { p.y.write(j * p.out_rows + p.out_start + r, v) };
+                unsafe { decode_batch::gemv_tokens::<V>(p.w, p.cols, xq, t, rows, &mut y) }
+            })
+        });
+    });
+}
+
+/// Decode of several tokens with f32 activations: `decode_batch` on AVX-512, else the
+/// one-token kernel once per token; either way each token's bits are its own `gemv_part`'s.
+fn gemv_tokens_part<B: KernelBlock>(p: &PartArgs, rows: std::ops::Range<usize>) {
+    #[cfg(target_arch = "x86_64")]
+    if p.level == Level::Avx512 {
+        // SAFETY (both): AVX-512 was detected; each thread writes only its own rows of every token.
+        let mut y = |j: usize, r: usize, v: f32| unsafe { p.y.write(j * p.out_rows + p.out_start + r, v) };
+        return unsafe { super::decode_batch::gemv_tokens_f32::<B>(p.w, p.cols, p.x, p.t, rows, &mut y) };
+    }
+    for j in 0..p.t {
+        let one = PartArgs { x: &p.x[j * p.cols..(j + 1) * p.cols], t: 1, out_start: j * p.out_rows + p.out_start, ..*p };
+        gemv_part::<B>(&one, rows.clone());
+    }
 }
 
 fn gemv_part<B: KernelBlock>(p: &PartArgs, rows: std::ops::Range<usize>) {
@@ -808,6 +887,53 @@ mod stacked_tests {
                     assert_eq!(&y[tok * stack.rows() + col..tok * stack.rows() + col + n], &ys[tok * n..(tok + 1) * n]);
                 }
                 col += n;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod batch_tests {
+    use super::*;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+    use std::sync::Arc;
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Through the whole dispatch (threads, repacked formats, the packed head, exact and 8-bit
+    /// activations): decode rows of a batch equal each token's product alone, and prompt rows
+    /// do not depend on how the prompt was cut (one row alone, or rows among others).
+    #[test]
+    fn decode_rows_equal_solo_and_prompt_rows_ignore_chunking() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let (n, k) = (70, 512);
+        let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
+        for dt in [GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q5_0, GgmlDType::F16] {
+            let q = QTensor::quantize(&w, dt)?;
+            let data: Arc<dyn WeightBytes> = Arc::new(q.data()?.to_vec());
+            let format = Format::from_ggml(dt).unwrap();
+            let mats = [
+                CpuMatmul::new(format, n, k, data.clone()).unwrap(),
+                CpuMatmul::head(format, k, vec![(data, n)]).unwrap(),
+            ];
+            for (mm, exact) in mats.iter().flat_map(|m| [(m, false), (m, true)]) {
+                let run = |x: &[f32], t, d, y: &mut [f32]| mm.forward_rows_with(level(), exact, x, t, d, y);
+                let t = 9;
+                let x: Vec<f32> = Tensor::randn(0f32, 1.0, (t, k), &dev)?.flatten_all()?.to_vec1()?;
+                let mut y = vec![0f32; t * n];
+                run(&x, t, 6, &mut y);
+                for tok in 0..6 {
+                    let mut one = vec![0f32; n];
+                    run(&x[tok * k..(tok + 1) * k], 1, 1, &mut one);
+                    assert_eq!(bits(&y[tok * n..(tok + 1) * n]), bits(&one), "{dt:?} exact={exact}: decode row {tok}");
+                }
+                let mut alone = vec![0f32; n];
+                run(&x[8 * k..], 1, 0, &mut alone);
+                assert_eq!(bits(&y[8 * n..]), bits(&alone), "{dt:?} exact={exact}: prompt row");
             }
         }
         Ok(())

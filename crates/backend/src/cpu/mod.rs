@@ -12,6 +12,8 @@
 mod alloc;
 pub mod attn;
 #[cfg(target_arch = "x86_64")]
+mod decode_batch;
+#[cfg(target_arch = "x86_64")]
 pub mod decode_attn;
 pub mod formats;
 pub mod math;

@@ -105,6 +105,73 @@ impl Q8Rows {
             }
         }
     }
+
+    /// `gemv` for `m` tokens (`xq`: `m` tokens of `pairs` pairs, token-major), each line loaded
+    /// once per group of four tokens: y(token, row), bit-identical to `gemv` per token (the
+    /// decode of a batch of sequences).
+    ///
+    /// # Safety
+    /// `vnni::available()`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn gemv_tokens(&self, xq: &[QPair], m: usize, rows: std::ops::Range<usize>, y: &mut impl FnMut(usize, usize, f32)) {
+        assert!(rows.start % 4 == 0 && rows.end <= self.rows && xq.len() == m * self.pairs);
+        for g in rows.start / 4..rows.end.div_ceil(4) {
+            let mut j = 0;
+            while j < m {
+                let nt = (m - j).min(4);
+                let x = &xq[j * self.pairs..(j + nt) * self.pairs];
+                let out = match nt {
+                    1 => widen(self.group_tokens::<1>(g, x)),
+                    2 => widen(self.group_tokens::<2>(g, x)),
+                    3 => widen(self.group_tokens::<3>(g, x)),
+                    _ => widen(self.group_tokens::<4>(g, x)),
+                };
+                for (i, row) in out.iter().enumerate() {
+                    let r = 4 * g + i;
+                    if r < rows.end {
+                        row.iter().take(nt).enumerate().for_each(|(t, v)| y(j + t, r, *v));
+                    }
+                }
+                j += nt;
+            }
+        }
+    }
+
+    /// Row group `g` × `T` tokens: `gemv`'s loop with each line multiplied into every token's
+    /// accumulator.
+    #[inline(always)]
+    unsafe fn group_tokens<const T: usize>(&self, g: usize, xq: &[QPair]) -> [[f32; T]; 4] {
+        let index: [__m512i; 4] = std::array::from_fn(|i| {
+            let (a, b) = (2 * i as i32, 2 * i as i32 + 1);
+            _mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a)
+        });
+        let mut acc = [[_mm512_setzero_ps(); T]; 4];
+        let lines = self.lines.bytes().as_ptr();
+        for p in 0..self.pairs {
+            let at = (g * self.pairs + p) * 4;
+            vnni::prefetch(lines.wrapping_add((at + 16) * 64));
+            let s = _mm_loadu_si128(self.scales.as_ptr().add(2 * at) as *const __m128i);
+            let s = _mm512_castps256_ps512(_mm256_cvtph_ps(s));
+            for (i, row) in acc.iter_mut().enumerate() {
+                let wq = _mm512_load_si512(lines.add((at + i) * 64) as *const _);
+                let ws = _mm512_permutexvar_ps(index[i], s);
+                for (t, a) in row.iter_mut().enumerate() {
+                    let xp = &xq[t * self.pairs + p];
+                    let xv = _mm512_load_si512(xp.q.as_ptr() as *const _);
+                    let corr = _mm512_load_si512(xp.corr.as_ptr() as *const _);
+                    let isum = _mm512_dpbusd_epi32(corr, wq, xv);
+                    let scale = _mm512_mul_ps(ws, _mm512_load_ps(xp.dx.as_ptr()));
+                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *a);
+                }
+            }
+        }
+        acc.map(|row| row.map(|a| vnni::finish(a, _mm_setzero_ps())))
+    }
+}
+
+/// A `[[f32; T]; 4]` padded with zeros to four tokens.
+fn widen<const T: usize>(v: [[f32; T]; 4]) -> [[f32; 4]; 4] {
+    std::array::from_fn(|i| std::array::from_fn(|j| if j < T { v[i][j] } else { 0.0 }))
 }
 
 #[cfg(test)]
@@ -135,6 +202,36 @@ mod tests {
                 packed.gemv(&xq, 4..rows, &mut |r, v| assert_eq!(v.to_bits(), want[r].to_bits()));
             }
             assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        }
+    }
+
+    /// Several tokens at once give each token's `gemv` bits.
+    #[test]
+    fn tokens_equal_gemv_exactly() {
+        if !vnni::available() {
+            eprintln!("SKIP: no AVX-512 VNNI");
+            return;
+        }
+        let mut rnd = vnni::tests::uniform(0x85ebca6b);
+        for (rows, cols, m) in [(13, 96, 6), (8, 640, 4), (7, 32, 1)] {
+            let wf: Vec<f32> = (0..rows * cols).map(|_| rnd()).collect();
+            let w = vnni::tests::quantize_rows::<formats::Q8_0>(&wf, rows, cols);
+            let packed = Q8Rows::pack(&w, rows, cols, &|_| {});
+            let pairs = cols.div_ceil(64);
+            let x: Vec<f32> = (0..m * cols).map(|_| rnd() * 2.0).collect();
+            let mut xq = vec![QPair::ZERO; m * pairs];
+            let mut got = vec![0f32; m * rows];
+            // SAFETY: VNNI was detected above.
+            unsafe {
+                for j in 0..m {
+                    vnni::quantize_into::<formats::Q8_0>(&x[j * cols..(j + 1) * cols], &mut xq[j * pairs..(j + 1) * pairs]);
+                }
+                packed.gemv_tokens(&xq, m, 0..rows, &mut |j, r, v| got[j * rows + r] = v);
+                for j in 0..m {
+                    let one = &xq[j * pairs..(j + 1) * pairs];
+                    packed.gemv(one, 0..rows, &mut |r, v| assert_eq!(v.to_bits(), got[j * rows + r].to_bits(), "token {j} row {r}"));
+                }
+            }
         }
     }
 }

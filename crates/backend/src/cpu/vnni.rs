@@ -365,6 +365,13 @@ unsafe fn insert_128(v: __m512i, part: __m128i, at: usize) -> __m512i {
 #[inline(always)]
 pub(super) unsafe fn pair_dot<V: Vnni>(w: *const u8, p: usize, two: bool, xp: &QPair, acc: &mut __m512, macc: &mut __m128) {
     let (wq, dw, m) = V::load_pair(w, p, two);
+    loaded_pair_dot::<V>(wq, dw, m, xp, acc, macc)
+}
+
+/// `pair_dot` of a weight pair already loaded by `V::load_pair` (`vnni_batch` loads each pair
+/// once for several tokens; one function keeps the arithmetic identical).
+#[inline(always)]
+pub(super) unsafe fn loaded_pair_dot<V: Vnni>(wq: __m512i, dw: __m512, m: __m128, xp: &QPair, acc: &mut __m512, macc: &mut __m128) {
     let xq = _mm512_load_si512(xp.q.as_ptr() as *const _);
     let corr = _mm512_load_si512(xp.corr.as_ptr() as *const _);
     let isum = _mm512_dpbusd_epi32(corr, wq, xq);

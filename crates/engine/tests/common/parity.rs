@@ -36,20 +36,14 @@ pub fn logits_along(
     let n = prompt.len();
     for part in prompt[..n - 1].chunks(chunk.max(1)) {
         model
-            .forward_hidden(&mut [SeqInput {
-                tokens: part,
-                cache: &mut cache,
-            }])
+            .forward_hidden(&mut [SeqInput::prompt(part, &mut cache)])
             .unwrap();
     }
     let mut feed = prompt[n - 1];
     let mut out = Vec::with_capacity(steps);
     for i in 0..steps {
         let h = model
-            .forward_hidden(&mut [SeqInput {
-                tokens: &[feed],
-                cache: &mut cache,
-            }])
+            .forward_hidden(&mut [SeqInput::decode(&[feed], &mut cache)])
             .unwrap();
         let logits: Vec<f32> = model
             .project_logits(&h)
@@ -106,9 +100,10 @@ pub fn our_greedy(model: &dyn CausalLm, prompt: &[u32], n: usize, chunk: usize) 
         params: &params,
         eos_ids: &[],
         cancel: &CancelToken::new(),
+        graph: Default::default(),
     };
     let mut out = Vec::new();
-    generate(model, &mut cache, input, &mut Greedy, None, &mut |e| {
+    generate(model, &mut cache, input, &mut Greedy, &mut |e| {
         out.push(e.token);
         Flow::Continue
     })

@@ -1,6 +1,7 @@
-use super::{FusedLinear, Span};
+use super::{BatchRows, FusedLinear};
+use crate::RowKind;
 use candle_core::{Result, Tensor};
-use ferrolm_backend::attention::Positions;
+use ferrolm_backend::attention::{attend_prompt, Positions};
 use ferrolm_backend::attention_device::{append_and_attend, StaticStep};
 use ferrolm_backend::norm::RmsNorm;
 use ferrolm_backend::{attend, AttentionParams, Linear, Rope, RowInput};
@@ -26,21 +27,21 @@ pub struct SelfAttention {
 }
 
 impl SelfAttention {
-    /// x `[tokens, hidden]` holding every sequence's rows (`spans`); `caches[i]` is this layer's
+    /// x `[tokens, hidden]` holding every sequence's rows (`rows`); `caches[i]` is this layer's
     /// cache of sequence i. Returns `[tokens, hidden]`.
     pub fn forward(
         &self,
         x: &Tensor,
-        spans: &[Span],
+        rows: &BatchRows,
         caches: &mut [&mut dyn KvCache],
     ) -> Result<Tensor> {
-        let (q, k, v) = self.project(x)?;
+        let (q, k, v) = self.heads(self.qkv.forward_rows(x, rows.decode_rows)?, x.dims()[0])?;
         let (q, k) = match (&self.q_norm, &self.k_norm) {
             (Some(qn), Some(kn)) => (qn.forward(&q)?, kn.forward(&k)?),
             _ => (q, k),
         };
-        let mut outs = Vec::with_capacity(spans.len());
-        for (span, cache) in spans.iter().zip(caches.iter_mut()) {
+        let mut outs = Vec::with_capacity(rows.spans.len());
+        for (span, cache) in rows.spans.iter().zip(caches.iter_mut()) {
             let rows = |t: &Tensor| t.narrow(0, span.row, span.len);
             let qs = self.rope.apply(&rows(&q)?, span.position)?;
             let ks = self.rope.apply(&rows(&k)?, span.position)?;
@@ -50,14 +51,17 @@ impl SelfAttention {
                 query_start: span.position,
                 key_start: kv.key_start,
             };
-            outs.push(attend(&qs, &kv.k, &kv.v, pos, &self.cfg.params)?);
+            outs.push(match span.kind {
+                RowKind::Decode => attend(&qs, &kv.k, &kv.v, pos, &self.cfg.params)?,
+                RowKind::Prompt => attend_prompt(&qs, &kv.k, &kv.v, pos, &self.cfg.params)?,
+            });
         }
         let attn = if outs.len() == 1 {
             outs.pop().unwrap()
         } else {
             Tensor::cat(&outs, 0)?
         };
-        self.o.forward(&attn)
+        self.o.forward_rows(&attn, rows.decode_rows)
     }
 
     /// One token at the device position `pos`, its key and value written in place into the
@@ -73,11 +77,6 @@ impl SelfAttention {
         };
         let step = StaticStep { q: &q, k: &k, v: &v, rope: &self.rope, cache_k, cache_v, pos, params: &c.params };
         self.o.forward_row(RowInput::Plain(&append_and_attend(&step)?), Some(x))
-    }
-
-    /// x `[tokens, hidden]` → q `[tokens, heads, head_dim]`, k and v `[tokens, kv_heads, head_dim]`.
-    fn project(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        self.heads(self.qkv.forward(x)?, x.dims()[0])
     }
 
     /// The Q, K and V projections' outputs `[tokens, ·]` split into heads.

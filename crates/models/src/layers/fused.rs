@@ -18,10 +18,12 @@ impl FusedLinear {
         Ok(Self::Separate(parts.collect::<Result<_>>()?))
     }
 
-    pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+    /// Each projection of x, whose first `decode_rows` rows are decode rows (see
+    /// `Linear::forward_rows`).
+    pub fn forward_rows(&self, x: &Tensor, decode_rows: usize) -> Result<Vec<Tensor>> {
         match self {
-            Self::Separate(parts) => parts.iter().map(|l| l.forward(x)).collect(),
-            Self::Stacked { linear, widths } => split(linear.forward(x)?, widths),
+            Self::Separate(parts) => parts.iter().map(|l| l.forward_rows(x, decode_rows)).collect(),
+            Self::Stacked { linear, widths } => split(linear.forward_rows(x, decode_rows)?, widths),
         }
     }
 

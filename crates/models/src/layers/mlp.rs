@@ -19,17 +19,19 @@ pub struct GatedMlp {
 }
 
 impl GatedMlp {
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// x `[tokens, hidden]` whose first `decode_rows` rows are decode rows (see
+    /// `Linear::forward_rows`).
+    pub fn forward(&self, x: &Tensor, decode_rows: usize) -> Result<Tensor> {
         let [gate, up]: [Tensor; 2] = self
             .gate_up
-            .forward(x)?
+            .forward_rows(x, decode_rows)?
             .try_into()
             .map_err(|_| candle_core::Error::Msg("gate_up: expected two projections".into()))?;
         let hidden = match self.activation {
             Activation::Silu => ferrolm_backend::ops::silu_mul(&gate, &up)?,
             Activation::GeluTanh => ferrolm_backend::ops::gelu_tanh_mul(&gate, &up)?,
         };
-        self.down.forward(&hidden)
+        self.down.forward_rows(&hidden, decode_rows)
     }
 
     /// One decode row: returns `x + down(act(gate(n)) * up(n))` with `n = norm(x)`, the norm

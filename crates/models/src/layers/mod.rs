@@ -12,6 +12,9 @@ pub use embedding::Embedding;
 pub use fused::FusedLinear;
 pub use mlp::{Activation, GatedMlp};
 
+use crate::{RowKind, SeqInput};
+use candle_core::{Result, Tensor};
+
 /// The rows of one sequence inside a batch's flattened token matrix.
 #[derive(Clone, Copy, Debug)]
 pub struct Span {
@@ -20,16 +23,46 @@ pub struct Span {
     pub len: usize,
     /// Absolute position of the first token (the cache offset before this forward).
     pub position: usize,
+    pub kind: RowKind,
 }
 
-/// Spans of consecutive sequences with the given lengths and starting positions.
-pub fn spans(lens_and_positions: impl Iterator<Item = (usize, usize)>) -> Vec<Span> {
-    let mut row = 0;
-    lens_and_positions
-        .map(|(len, position)| {
-            let s = Span { row, len, position };
-            row += len;
-            s
-        })
-        .collect()
+/// The layout of one forward's flattened token matrix: each sequence's span, the decode
+/// sequences' spans first, so that rows `0..decode_rows` are the decode rows.
+pub struct BatchRows {
+    pub spans: Vec<Span>,
+    pub decode_rows: usize,
+}
+
+impl BatchRows {
+    /// The rows of `batch`; an error if a decode sequence follows a prompt sequence.
+    pub fn of(batch: &[SeqInput<'_>]) -> Result<Self> {
+        let mut row = 0;
+        let mut decode_rows = 0;
+        let mut spans = Vec::with_capacity(batch.len());
+        for s in batch {
+            let span = Span { row, len: s.tokens.len(), position: s.cache.offset(), kind: s.kind };
+            if span.kind == RowKind::Decode {
+                if decode_rows != row {
+                    candle_core::bail!("forward: decode sequences must come before prompt sequences")
+                }
+                decode_rows += span.len;
+            }
+            row += span.len;
+            spans.push(span);
+        }
+        Ok(Self { spans, decode_rows })
+    }
+
+    /// Every token id of the batch in row order.
+    pub fn ids(batch: &[SeqInput<'_>]) -> Vec<u32> {
+        batch.iter().flat_map(|s| s.tokens.iter().copied()).collect()
+    }
+
+    /// The decode rows of the final hidden states `x` (`[0, hidden]` when there are none).
+    pub fn decode_part(&self, x: &Tensor) -> Result<Tensor> {
+        match self.decode_rows {
+            0 => Tensor::zeros((0, x.dim(1)?), x.dtype(), x.device()),
+            n => x.narrow(0, 0, n),
+        }
+    }
 }

@@ -1,0 +1,243 @@
+//! One request's generation as owned state: its tokens, how many of them the cache holds, its
+//! sampler, where its tokens go, its stats. The step (`step.rs`) forwards and samples it; the
+//! scheduler sees it only through `SeqView`.
+
+use crate::sampler::TokenSampler;
+use crate::scheduler::{SeqView, Want};
+use crate::Flow;
+use candle_core::Tensor;
+use ferrolm_core::{CancelToken, FinishReason, GenerateParams, GenerationStats, TokenEvent, TokenId};
+use ferrolm_kv::SeqCache;
+use std::time::Instant;
+
+/// Where a sequence's tokens and its end go.
+pub trait Sink {
+    /// One generated token; `Flow::Stop` ends the generation (client gone, stop string…).
+    fn token(&mut self, event: TokenEvent) -> Flow;
+    /// Exactly once, last: the stats, or why the generation failed.
+    fn finish(&mut self, outcome: Result<GenerationStats, String>);
+    /// Whether nobody listens any more (the generation is then cancelled at the next step).
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+/// A request ready to run: the engine's input for one sequence.
+pub struct SeqRequest<'a> {
+    pub prompt: Vec<TokenId>,
+    pub params: GenerateParams,
+    /// The model's EOS ids plus the request's stop ids.
+    pub eos_ids: Vec<TokenId>,
+    pub cancel: CancelToken,
+    pub sampler: Box<dyn TokenSampler + 'a>,
+    pub sink: Box<dyn Sink + 'a>,
+}
+
+pub struct Sequence<'a> {
+    pub id: u64,
+    /// Prompt ++ generated tokens. The last one is pending (sampled and delivered, not yet
+    /// forwarded) once decoding has started.
+    pub tokens: Vec<TokenId>,
+    /// Tokens forwarded as prompt rows before decoding (re)starts: the prompt, or after a
+    /// preemption every token but the pending one (they are recomputed).
+    prefill_len: usize,
+    pub cache: SeqCache,
+    params: GenerateParams,
+    eos_ids: Vec<TokenId>,
+    cancel: CancelToken,
+    sampler: Box<dyn TokenSampler + 'a>,
+    sink: Box<dyn Sink + 'a>,
+    stats: GenerationStats,
+    started: Option<Instant>,
+    first_token: Option<Instant>,
+    /// Set once the generation has ended: the reason (None: the consumer stopped it).
+    ended: Option<Option<FinishReason>>,
+    failure: Option<String>,
+}
+
+impl<'a> Sequence<'a> {
+    /// A sequence for `req` over `cache` (empty, or holding a prefix of the prompt).
+    pub fn new(id: u64, req: SeqRequest<'a>, mut cache: SeqCache) -> Self {
+        let cached = reuse_cached_prefix(&mut cache, req.prompt.len());
+        let stats = GenerationStats { prompt_tokens: req.prompt.len(), cached_tokens: cached, ..Default::default() };
+        let mut seq = Self {
+            id,
+            prefill_len: req.prompt.len(),
+            tokens: req.prompt,
+            cache,
+            params: req.params,
+            eos_ids: req.eos_ids,
+            cancel: req.cancel,
+            sampler: req.sampler,
+            sink: req.sink,
+            stats,
+            started: None,
+            first_token: None,
+            ended: None,
+            failure: None,
+        };
+        if seq.tokens.is_empty() {
+            seq.fail("the prompt is empty".into());
+        } else if seq.cache.offset() >= seq.tokens.len() {
+            seq.fail("the cache holds the whole prompt and cannot drop its last token".into());
+        } else if seq.params.max_tokens == 0 {
+            seq.ended = Some(Some(FinishReason::Length));
+        }
+        seq
+    }
+
+    /// What the scheduler needs to know.
+    pub fn view(&self) -> SeqView {
+        SeqView {
+            want: self.want(),
+            kv_tokens: self.tokens.len() + 1,
+            max_kv_tokens: self.max_kv_tokens(),
+            max_chunk: self.params.prefill_chunk,
+        }
+    }
+
+    /// The next rows to forward: prompt rows up to the tail, then one decode row at a time.
+    pub fn want(&self) -> Want {
+        let computed = self.cache.offset();
+        if self.is_done() {
+            Want::Nothing
+        } else if computed + 1 < self.prefill_len {
+            Want::Prompt { remaining: self.prefill_len - 1 - computed }
+        } else {
+            Want::Decode
+        }
+    }
+
+    /// The most cache tokens this sequence can reach: prompt plus every token it may generate.
+    pub fn max_kv_tokens(&self) -> usize {
+        self.stats.prompt_tokens + self.params.max_tokens
+    }
+
+    /// Marks the start of work (admission) for the stats' clock.
+    pub fn start_clock(&mut self) {
+        self.started.get_or_insert_with(Instant::now);
+    }
+
+    /// Samples the next token from this sequence's logits row `[vocab]` and delivers it.
+    pub fn sample_and_deliver(&mut self, logits: &Tensor) -> candle_core::Result<()> {
+        let next = self.sampler.sample(logits, &self.tokens)?;
+        self.deliver(next.token, next.logprobs);
+        Ok(())
+    }
+
+    /// Appends `token` (sampled elsewhere, e.g. by the captured greedy step) and sends it to the
+    /// sink; ends the generation on EOS, the length limit, cancellation or the sink's stop.
+    pub fn deliver(&mut self, token: TokenId, logprobs: Option<ferrolm_core::TokenLogprobs>) {
+        self.first_token.get_or_insert_with(Instant::now);
+        self.tokens.push(token);
+        self.stats.generated_tokens += 1;
+        let event = TokenEvent { token, index: self.stats.generated_tokens - 1, logprobs };
+        if self.sink.token(event) == Flow::Stop {
+            self.ended = Some(None);
+        } else if let Some(cause) = self.finish_cause(token) {
+            self.ended = Some(Some(cause));
+        }
+    }
+
+    /// Why generation ends after delivering `token`, if it does: EOS (or a stop id), the length
+    /// limit, or cancellation, in that order (an observed cause wins over the limit).
+    fn finish_cause(&self, token: TokenId) -> Option<FinishReason> {
+        if self.eos_ids.contains(&token) {
+            Some(FinishReason::Stop)
+        } else if self.stats.generated_tokens >= self.params.max_tokens {
+            Some(FinishReason::Length)
+        } else if self.cancel.is_cancelled() {
+            Some(FinishReason::Cancelled)
+        } else {
+            None
+        }
+    }
+
+    /// Ends a generation cancelled from outside (checked before every step).
+    pub fn check_cancelled(&mut self) {
+        if !self.is_done() && (self.cancel.is_cancelled() || self.sink.is_closed()) {
+            self.ended = Some(Some(FinishReason::Cancelled));
+        }
+    }
+
+    /// Ends the generation with an error (reported to this request only).
+    pub fn fail(&mut self, message: String) {
+        self.failure = Some(message);
+        self.ended = Some(Some(FinishReason::Error));
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.ended.is_some()
+    }
+
+    /// Tokens generated so far.
+    pub fn generated(&self) -> usize {
+        self.stats.generated_tokens
+    }
+
+    /// Tokens left to generate.
+    pub fn remaining(&self) -> usize {
+        self.params.max_tokens.saturating_sub(self.stats.generated_tokens)
+    }
+
+    /// Whether every step is a plain argmax (no processors, no logprobs).
+    pub fn is_plain_greedy(&self) -> bool {
+        self.sampler.is_plain_greedy()
+    }
+
+    /// Drops the cache (to free memory for others): its tokens but the pending one become
+    /// prompt rows again, recomputed when the sequence next runs.
+    pub fn preempt(&mut self, empty: SeqCache) {
+        self.cache = empty;
+        self.prefill_len = self.tokens.len();
+    }
+
+    /// Sends the end to the sink: stats (also after an early stop) or the failure; returns the
+    /// cache for reuse.
+    pub fn retire(mut self) -> SeqCache {
+        let outcome = match self.failure.take() {
+            Some(message) => Err(message),
+            None => Ok(self.final_stats()),
+        };
+        self.sink.finish(outcome);
+        self.cache
+    }
+
+    fn final_stats(&self) -> GenerationStats {
+        let mut stats = self.stats.clone();
+        let end = Instant::now();
+        let start = self.started.unwrap_or(end);
+        let first = self.first_token.unwrap_or(end);
+        stats.prefill_ms = ms(first.saturating_duration_since(start));
+        stats.ttft_ms = stats.prefill_ms;
+        stats.decode_ms = ms(end - first);
+        let new_prompt = (stats.prompt_tokens - stats.cached_tokens) as f64;
+        stats.prefill_tps = rate(new_prompt, stats.prefill_ms);
+        // mlx-lm's convention: token 0 is free on the decode clock.
+        stats.decode_tps = rate(stats.generated_tokens as f64, stats.decode_ms);
+        stats.cache_tokens = self.tokens[..self.cache.offset().min(self.tokens.len())].to_vec();
+        stats.finish_reason = self.ended.flatten();
+        stats
+    }
+}
+
+/// A cache that already holds the whole prompt must recompute the last token's logits: drop it.
+fn reuse_cached_prefix(cache: &mut SeqCache, prompt_len: usize) -> usize {
+    let cached = cache.offset();
+    if cached >= prompt_len && cache.is_trimmable() {
+        cache.trim(cached - prompt_len + 1);
+    }
+    cache.offset()
+}
+
+fn rate(n: f64, ms: f64) -> f64 {
+    if ms > 0.0 {
+        n / (ms / 1e3)
+    } else {
+        0.0
+    }
+}
+
+fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}

@@ -1,0 +1,234 @@
+//! The engine step (DESIGN §3a): every active sequence in one forward. Each step retires what
+//! ended, admits and preempts by the scheduler's policy, forwards the decode rows and prompt
+//! chunks the scheduler picked in one `forward_hidden`, projects logits for the decode rows
+//! only, and samples each row with its own sequence's sampler.
+
+use crate::config::{BatchConfig, GraphSettings};
+use crate::graph_decode::{use_static_decode, GraphDecoder};
+use crate::scheduler::{self, Plan, SeqView, Want};
+use crate::seq::{SeqRequest, Sequence};
+use ferrolm_kv::SeqCache;
+use ferrolm_models::{CausalLm, SeqInput};
+use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
+
+/// The running and waiting sequences of one model, and the step that advances them.
+pub struct Batch<'a> {
+    model: &'a dyn CausalLm,
+    cfg: BatchConfig,
+    graph: GraphSettings,
+    /// The KV budget in cache tokens.
+    kv_budget: usize,
+    running: Vec<Sequence<'a>>,
+    waiting: VecDeque<Sequence<'a>>,
+    /// The captured greedy step, kept across requests (valid while a cache's buffers stay).
+    decoder: Option<GraphDecoder>,
+    next_id: u64,
+}
+
+/// What one step did (for metrics).
+#[derive(Default)]
+pub struct StepReport {
+    /// Sequences in the forward and the rows they forwarded.
+    pub seqs: usize,
+    pub tokens: usize,
+    pub preempted: usize,
+    /// Sequences that ended this step, with their caches.
+    pub retired: Vec<(u64, SeqCache)>,
+}
+
+impl<'a> Batch<'a> {
+    pub fn new(model: &'a dyn CausalLm, cfg: BatchConfig, graph: GraphSettings) -> Self {
+        let kv_budget = scheduler::kv_budget_tokens(&cfg, model.make_cache().bytes_per_token());
+        Self { model, cfg, graph, kv_budget, running: Vec::new(), waiting: VecDeque::new(), decoder: None, next_id: 0 }
+    }
+
+    /// The cache tokens the running sequences may hold together.
+    pub fn kv_budget_tokens(&self) -> usize {
+        self.kv_budget
+    }
+
+    /// Queues a request over `cache` (fresh, or holding a prefix of its prompt); returns its id.
+    pub fn add(&mut self, req: SeqRequest<'a>, cache: SeqCache) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        let mut seq = Sequence::new(id, req, cache);
+        if seq.max_kv_tokens() > self.kv_budget {
+            seq.fail(format!("the request needs {} cache tokens, more than the KV budget of {}", seq.max_kv_tokens(), self.kv_budget));
+        }
+        self.waiting.push_back(seq);
+        id
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty()
+    }
+
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// One engine step. `interrupted` tells a long captured decode (one sequence alone) that
+    /// new work waits to be admitted.
+    pub fn step(&mut self, interrupted: &dyn Fn() -> bool) -> StepReport {
+        let mut report = StepReport::default();
+        self.retire(&mut report);
+        self.admit();
+        report.preempted = self.preempt();
+        if !self.captured_greedy(interrupted) {
+            let plan = scheduler::plan(&self.cfg, &self.views());
+            (report.seqs, report.tokens) = (plan.decode.len() + plan.prompt.len(), plan.tokens());
+            self.run(&plan);
+        }
+        self.retire(&mut report);
+        report
+    }
+
+    /// Ends every sequence with `message` (after a step that panicked outside any sequence's
+    /// forward, when nothing in the batch can be trusted).
+    pub fn fail_all(&mut self, message: &str) {
+        for seq in self.running.drain(..).chain(self.waiting.drain(..)) {
+            let mut seq = seq;
+            seq.fail(message.to_string());
+            seq.retire();
+        }
+    }
+
+    fn views(&self) -> Vec<SeqView> {
+        self.running.iter().map(|s| s.view()).collect()
+    }
+
+    /// Sends the end of every sequence that ended (or was cancelled) and drops it.
+    fn retire(&mut self, report: &mut StepReport) {
+        for seq in self.running.iter_mut().chain(self.waiting.iter_mut()) {
+            seq.check_cancelled();
+        }
+        let (done, running): (Vec<_>, Vec<_>) = self.running.drain(..).partition(|s| s.is_done());
+        self.running = running;
+        let (done_waiting, waiting): (Vec<_>, Vec<_>) = self.waiting.drain(..).partition(|s| s.is_done());
+        self.waiting = waiting.into();
+        for seq in done.into_iter().chain(done_waiting) {
+            let id = seq.id;
+            report.retired.push((id, seq.retire()));
+        }
+    }
+
+    fn admit(&mut self) {
+        let waiting: Vec<SeqView> = self.waiting.iter().map(|s| s.view()).collect();
+        let n = scheduler::admit(&self.cfg, self.kv_budget, &self.views(), &waiting);
+        for mut seq in self.waiting.drain(..n) {
+            seq.start_clock();
+            self.running.push(seq);
+        }
+    }
+
+    /// Preempts the newest sequences while the running ones outgrow the budget: their caches
+    /// are dropped and they wait at the head of the queue, to be recomputed.
+    fn preempt(&mut self) -> usize {
+        let victims = scheduler::preempt(self.kv_budget, &self.views());
+        for &i in &victims {
+            let mut seq = self.running.remove(i);
+            seq.preempt(self.model.make_cache());
+            self.waiting.push_front(seq);
+        }
+        victims.len()
+    }
+
+    /// Runs one planned step; a failure (error or panic) ends the planned sequences with it,
+    /// and only them.
+    fn run(&mut self, plan: &Plan) {
+        if plan.is_empty() {
+            return;
+        }
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.forward_and_sample(plan)));
+        let message = match outcome {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => e.to_string(),
+            Err(panic) => crate::service::panic_message(panic),
+        };
+        for i in plan.decode.iter().copied().chain(plan.prompt.iter().map(|p| p.0)) {
+            self.running[i].fail(message.clone());
+        }
+    }
+
+    /// One `forward_hidden` over the plan's rows (decode sequences first), logits for the
+    /// decode rows, each sampled by its own sequence.
+    fn forward_and_sample(&mut self, plan: &Plan) -> candle_core::Result<()> {
+        let hidden = {
+            // Per running sequence: None (not in this step), Some(None) (its decode row) or
+            // Some(Some(n)) (n prompt rows).
+            let mut rows: Vec<Option<Option<usize>>> = vec![None; self.running.len()];
+            plan.decode.iter().for_each(|&i| rows[i] = Some(None));
+            plan.prompt.iter().for_each(|&(i, n)| rows[i] = Some(Some(n)));
+            let (mut decode, mut prompt) = (Vec::new(), Vec::new());
+            for (seq, rows) in self.running.iter_mut().zip(rows) {
+                match rows {
+                    Some(None) => decode.push(seq.input(None)),
+                    Some(Some(n)) => prompt.push(seq.input(Some(n))),
+                    None => {}
+                }
+            }
+            decode.append(&mut prompt);
+            self.model.forward_hidden(&mut decode)?
+        };
+        if plan.decode.is_empty() {
+            return Ok(());
+        }
+        let logits = self.model.project_logits(&hidden)?;
+        for (row, &i) in plan.decode.iter().enumerate() {
+            let seq = &mut self.running[i];
+            if let Err(e) = logits.get(row).and_then(|l| seq.sample_and_deliver(&l)) {
+                seq.fail(e.to_string());
+            }
+        }
+        Ok(())
+    }
+
+    /// One plain greedy sequence alone, already decoding, on a device with a captured step:
+    /// decode through the step graph (`graph_decode`) until it ends or new work waits. Returns
+    /// whether it ran.
+    fn captured_greedy(&mut self, interrupted: &dyn Fn() -> bool) -> bool {
+        let [seq] = &mut self.running[..] else { return false };
+        let decoding = seq.want() == Want::Decode && seq.generated() > 0;
+        if !self.waiting.is_empty() || !decoding || !seq.is_plain_greedy() || !use_static_decode(self.model, &self.graph) {
+            return false;
+        }
+        if self.decoder.is_none() {
+            match GraphDecoder::new(self.model, self.graph) {
+                Ok(Some(d)) => self.decoder = Some(d),
+                _ => return false,
+            }
+        }
+        let decoder = self.decoder.as_mut().expect("made above");
+        let mut cache = std::mem::replace(&mut seq.cache, SeqCache::new(Vec::new()));
+        let (first, n) = (*seq.tokens.last().expect("a decoding sequence has tokens"), seq.remaining());
+        let ran = decoder.run(self.model, &mut cache, first, n, &mut |t| {
+            seq.deliver(t, None);
+            !seq.is_done() && !interrupted()
+        });
+        seq.cache = cache;
+        match ran {
+            Ok(Some(_)) => true,
+            Ok(None) => false,
+            Err(e) => {
+                seq.fail(e.to_string());
+                true
+            }
+        }
+    }
+}
+
+impl<'a> Sequence<'a> {
+    /// This sequence's rows for the next forward: `n` prompt rows, or its decode row.
+    fn input(&mut self, prompt_rows: Option<usize>) -> SeqInput<'_> {
+        let start = self.cache.offset();
+        match prompt_rows {
+            Some(n) => SeqInput::prompt(&self.tokens[start..start + n], &mut self.cache),
+            None => SeqInput::decode(&self.tokens[start..], &mut self.cache),
+        }
+    }
+}

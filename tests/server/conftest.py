@@ -1,5 +1,6 @@
-"""Fixtures: a real `ferrolm serve` on the default model (SmolLM2-135M-Instruct Q4_1), on a
-free port chosen by the server itself (`--port 0`), and OpenAI SDK clients pointed at it.
+"""Fixtures: a real `ferrolm serve` on SmolLM2-135M-Instruct Q4_1 (the fast test model, named
+explicitly with --model so the tests do not depend on the default model), on a free port chosen
+by the server itself (`--port 0`), and OpenAI SDK clients pointed at it.
 
 The binary is $FERROLM_BIN, else target/release/ferrolm (scripts/test.sh builds it).
 """
@@ -15,6 +16,8 @@ import openai
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+MODELS = Path(os.environ.get("FERROLM_MODELS") or Path.home() / ".cache" / "ferrolm" / "models")
+SMOLLM2 = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
 READY = re.compile(r"at (http://\S+) \(ready in ([0-9.]+) s\)")
 
 
@@ -28,8 +31,8 @@ def binary() -> str:
 class Server:
     """A running `ferrolm serve`; its stderr is collected for diagnostics."""
 
-    def __init__(self, *flags, env=None):
-        cmd = [binary(), "serve", "--port", "0", *flags]
+    def __init__(self, *flags, env=None, model=SMOLLM2):
+        cmd = [binary(), "serve", "--port", "0", "--model", str(model), *flags]
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -99,6 +99,10 @@ pub struct Args {
     quantized_kv_start: usize,
     #[arg(long)]
     pipeline: bool,
+    /// Responses API responses kept in memory for `previous_response_id` (least recently used
+    /// dropped first; 0 keeps none).
+    #[arg(long, default_value_t = 256)]
+    responses_store_size: usize,
     /// Split the model over N ranks (llama family): N consecutive GPUs from --device, or N
     /// simulated ranks on the CPU with `--device cpu`.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
@@ -194,6 +198,7 @@ pub fn run(args: Args) -> CliResult<()> {
         prefill_chunk: args.prefill_step_size.max(1),
         model_id: bundle.name.clone(),
         fault_injection: std::env::var("FERROLM_TEST_FAULTS").as_deref() == Ok("1"),
+        responses_store_size: args.responses_store_size,
         ..Default::default()
     };
     let model_name = bundle.path.display().to_string();

@@ -25,6 +25,9 @@ pub struct ServerConfig {
     /// (`"panic"`: the handler panics; `"engine"`: the engine gets an empty prompt and fails)
     /// exercises the failure paths of the real server.
     pub fault_injection: bool,
+    /// `--responses-store-size`: how many Responses API responses are kept in memory for
+    /// `previous_response_id` (least recently used dropped first; 0 keeps none).
+    pub responses_store_size: usize,
 }
 
 impl Default for ServerConfig {
@@ -38,6 +41,7 @@ impl Default for ServerConfig {
             model_id: "default_model".into(),
             keepalive_secs: 2.0,
             fault_injection: false,
+            responses_store_size: 256,
         }
     }
 }

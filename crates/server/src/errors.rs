@@ -1,5 +1,6 @@
 //! Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with the HTTP
-//! status that goes with them. Messages for parameter validation are mlx_lm.server's, verbatim.
+//! status that goes with them; Anthropic's shape for its endpoints ([`ApiError::anthropic_body`]).
+//! Messages for parameter validation are mlx_lm.server's, verbatim.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -107,6 +108,28 @@ impl ApiError {
     }
 }
 
+/// The same error in Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`, with
+/// Anthropic's type names for the status (its documented set).
+impl ApiError {
+    pub fn anthropic_body(&self) -> Value {
+        let kind = match self.status.as_u16() {
+            400 | 405 | 422 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 | 529 => "overloaded_error",
+            _ => "api_error",
+        };
+        json!({"type": "error", "error": {"type": kind, "message": self.message}})
+    }
+
+    pub fn into_anthropic_response(self) -> Response {
+        (self.status, axum::Json(self.anthropic_body())).into_response()
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         (self.status, axum::Json(self.body())).into_response()
@@ -131,5 +154,19 @@ mod tests {
         let b = e.body();
         assert_eq!(b["error"]["type"], "invalid_request_error");
         assert!(b["error"]["code"].is_null());
+    }
+
+    #[test]
+    fn anthropic_shape_names_the_type_by_status() {
+        let b = ApiError::invalid("max_tokens: Field required", None).anthropic_body();
+        assert_eq!(
+            b,
+            json!({"type": "error", "error": {"type": "invalid_request_error",
+            "message": "max_tokens: Field required"}})
+        );
+        assert_eq!(ApiError::internal("x").anthropic_body()["error"]["type"], "api_error");
+        assert_eq!(ApiError::queue_full().anthropic_body()["error"]["type"], "rate_limit_error");
+        assert_eq!(ApiError::not_found("x").anthropic_body()["error"]["type"], "not_found_error");
+        assert_eq!(ApiError::unavailable("x").anthropic_body()["error"]["type"], "overloaded_error");
     }
 }

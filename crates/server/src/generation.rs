@@ -25,7 +25,12 @@ pub struct GenerationSpec {
 /// How a generation ended.
 #[derive(Debug, Clone)]
 pub enum End {
-    Finished { reason: &'static str, usage: Usage },
+    /// `stop`: the stop string that ended it, if one did (Anthropic reports it).
+    Finished {
+        reason: &'static str,
+        usage: Usage,
+        stop: Option<String>,
+    },
     Failed(String),
 }
 
@@ -48,7 +53,8 @@ pub struct Generation {
     prompt_tokens: usize,
     completion_tokens: usize,
     saw_tool_calls: bool,
-    stop_hit: bool,
+    /// The stop string that matched; the generation is over once set.
+    stop_hit: Option<String>,
     pending: Piece,
     ended: bool,
 }
@@ -76,7 +82,7 @@ impl Generation {
             prompt_tokens,
             completion_tokens: 0,
             saw_tool_calls: false,
-            stop_hit: false,
+            stop_hit: None,
             pending: Piece::default(),
             ended: false,
         })
@@ -121,7 +127,7 @@ impl Generation {
                     completion_tokens: self.completion_tokens,
                     cached_tokens: stats.cached_tokens,
                 };
-                self.end(End::Finished { reason, usage });
+                self.end(End::Finished { reason, usage, stop: self.stop_hit.clone() });
             }
             Some(Event::Error(message)) => self.end(End::Failed(message)),
             None => self.end(End::Failed("the engine stopped unexpectedly".into())),
@@ -138,7 +144,7 @@ impl Generation {
         }
         self.last_token = Some(now);
         // After a stop string the engine may still deliver the token it was computing.
-        if self.stop_hit {
+        if self.stop_hit.is_some() {
             return;
         }
         self.completion_tokens += 1;
@@ -151,8 +157,8 @@ impl Generation {
         }
         let (delta, hit) = self.pipeline.push(&bundle.tokenizer, t.token);
         self.add(delta);
-        if hit {
-            self.stop_hit = true;
+        if hit.is_some() {
+            self.stop_hit = hit;
             self.cancel.cancel();
         }
     }
@@ -171,8 +177,8 @@ impl Generation {
         self.ended = true;
         self.state.metrics.duration(self.arrived.elapsed().as_secs_f64());
         self.pending.end = Some(match end {
-            End::Finished { reason, usage } if self.saw_tool_calls && reason == "stop" => {
-                End::Finished { reason: "tool_calls", usage }
+            End::Finished { reason, usage, stop } if self.saw_tool_calls && reason == "stop" => {
+                End::Finished { reason: "tool_calls", usage, stop }
             }
             e => e,
         });
@@ -180,7 +186,7 @@ impl Generation {
 
     /// A stop string or the engine's observed cause; tool calls turn `stop` into `tool_calls`.
     fn finish_reason(&self, engine: Option<FinishReason>) -> &'static str {
-        if self.stop_hit {
+        if self.stop_hit.is_some() {
             return "stop";
         }
         match engine {

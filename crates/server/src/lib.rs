@@ -5,12 +5,14 @@
 //! The engine runs on its own thread ([`ferrolm_engine::EngineHandle`]); handlers only submit
 //! requests and read events, so the HTTP side stays responsive during a long prefill.
 
+mod anthropic;
 pub mod config;
 pub mod errors;
 mod generation;
 pub mod metrics;
 pub mod pipeline;
 pub mod protocol;
+mod responses;
 mod routes;
 pub mod state;
 mod stream;

@@ -67,11 +67,12 @@ impl TextPipeline {
         }
     }
 
-    /// Adds one generated token. Returns the decided text and whether a stop string matched
-    /// (then the pipeline is finished: everything held was flushed into this delta).
-    pub fn push(&mut self, tokenizer: &Tokenizer, token: u32) -> (Delta, bool) {
+    /// Adds one generated token. Returns the decided text and the stop string that matched, if
+    /// one did (then the pipeline is finished: everything held was flushed into this delta).
+    /// Anthropic's `stop_sequence` reports which one.
+    pub fn push(&mut self, tokenizer: &Tokenizer, token: u32) -> (Delta, Option<String>) {
         if self.finished {
-            return (Delta::default(), true);
+            return (Delta::default(), None);
         }
         let text = self.decoder.push(tokenizer, token);
         let text = self.trim_start(text);
@@ -80,7 +81,7 @@ impl TextPipeline {
         if hit.is_some() {
             delta.append(self.flush_stages());
         }
-        (delta, hit.is_some())
+        (delta, hit.map(|h| h.stop))
     }
 
     /// End of generation (EOS, length, error): everything held is released.

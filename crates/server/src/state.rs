@@ -2,6 +2,7 @@
 
 use crate::config::ServerConfig;
 use crate::metrics::{Gauges, Metrics};
+use crate::responses::ResponseStore;
 use ferrolm_engine::{Bundle, EngineHandle};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -18,6 +19,8 @@ pub struct AppState {
     /// Whether the chat template reads `tools`; otherwise tools are described in the system
     /// message (see `protocol::tools`).
     pub template_has_tools: bool,
+    /// Finished Responses API responses kept for `previous_response_id` and GET.
+    pub responses: ResponseStore,
 }
 
 pub type SharedState = Arc<AppState>;
@@ -28,6 +31,7 @@ impl AppState {
         let bundle = engine.bundle().clone();
         let think_tags = think_tags(&bundle);
         let template_has_tools = template_source.is_some_and(|t| t.contains("tools"));
+        let responses = ResponseStore::new(config.responses_store_size);
         AppState {
             engine,
             config,
@@ -36,6 +40,7 @@ impl AppState {
             fingerprint: format!("ferrolm-{}", env!("CARGO_PKG_VERSION")),
             think_tags,
             template_has_tools,
+            responses,
         }
     }
 

@@ -1,15 +1,20 @@
-//! Server-sent events. Chat: a role chunk, then content / reasoning deltas and one chunk per
-//! completed tool call, a final chunk with `finish_reason`, the usage, then `data: [DONE]`.
-//! Text completions: `text_completion` chunks the same way. A failure after the stream opened
-//! is sent as `data: {"error": …}` and the stream ends.
+//! Server-sent events. The loop here (keep-alives, a panic in the pipeline caught, the end)
+//! serves every protocol; an [`Encoder`] turns pieces of output into one protocol's frames:
+//! OpenAI's chat and text completions here, Anthropic's and the Responses API's in their own
+//! modules.
+//!
+//! OpenAI chat: a role chunk, then content / reasoning deltas and one chunk per completed tool
+//! call, a final chunk with `finish_reason`, the usage, then `data: [DONE]`. Text completions:
+//! `text_completion` chunks the same way. A failure after the stream opened is sent as
+//! `data: {"error": …}` and the stream ends.
 //!
 //! Usage: with `stream_options.include_usage` it comes in a chunk of its own with empty
 //! `choices` after the final chunk (OpenAI's and mlx-lm's way); without it, the final chunk
 //! carries it (so clients that never ask still see it, and none sees it twice).
 //!
-//! While no token has arrived for a while (a long prefill), `: keepalive` comments keep proxies
-//! from timing out and let a vanished client be noticed; SSE clients ignore comments. Dropping
-//! the body (the client disconnected) drops the [`Generation`], which cancels it.
+//! While no token has arrived for a while (a long prefill), keep-alives (`: keepalive` comments,
+//! or the protocol's own ping) keep proxies from timing out and let a vanished client be noticed.
+//! Dropping the body (the client disconnected) drops the [`Generation`], which cancels it.
 
 use crate::errors::ApiError;
 use crate::generation::{End, Generation, Piece};
@@ -25,6 +30,91 @@ use std::convert::Infallible;
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
+/// One protocol's stream: frames for each piece of output and for a failure.
+pub trait Encoder: Send + 'static {
+    /// Frames for one piece (its end included, when the piece carries one).
+    fn piece(&mut self, piece: Piece, out: &mut VecDeque<Bytes>);
+    /// Frames for a failure after the stream opened; the stream ends after them.
+    fn fail(&mut self, message: String, out: &mut VecDeque<Bytes>);
+    /// Sent when nothing was sent for the keep-alive interval.
+    fn keepalive(&self) -> Bytes {
+        Bytes::from_static(b": keepalive\n\n")
+    }
+}
+
+struct SseState<E> {
+    gen: Generation,
+    encoder: E,
+    keepalive: Duration,
+    frames: VecDeque<Bytes>,
+    finished: bool,
+}
+
+/// The streaming response: `first` frames at once, then the encoder's frames as output comes.
+pub fn sse<E: Encoder>(gen: Generation, encoder: E, first: Vec<Bytes>, keepalive: Duration) -> Response {
+    let state = SseState { gen, encoder, keepalive, frames: first.into(), finished: false };
+    sse_body(Body::from_stream(futures_util::stream::unfold(state, next_frame)))
+}
+
+/// A stream whose frames are all known already (a request that generates nothing).
+pub fn sse_frames(frames: Vec<Bytes>) -> Response {
+    sse_body(Body::from(frames.concat()))
+}
+
+fn sse_body(body: Body) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+            (header::HeaderName::from_static("x-accel-buffering"), "no"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+async fn next_frame<E: Encoder>(mut s: SseState<E>) -> Option<(Result<Bytes, Infallible>, SseState<E>)> {
+    loop {
+        if let Some(f) = s.frames.pop_front() {
+            return Some((Ok(f), s));
+        }
+        if s.finished {
+            return None;
+        }
+        let waited = tokio::time::timeout(s.keepalive, s.gen.next());
+        match AssertUnwindSafe(waited).catch_unwind().await {
+            Err(_) => s.fail("internal error: the stream's pipeline panicked".into()),
+            Ok(Err(_)) => return Some((Ok(s.encoder.keepalive()), s)),
+            Ok(Ok(None)) => s.finished = true,
+            Ok(Ok(Some(piece))) => {
+                s.finished = piece.end.is_some();
+                if let Some(End::Failed(m)) = &piece.end {
+                    tracing::error!("generation failed mid-stream: {m}");
+                }
+                s.encoder.piece(piece, &mut s.frames);
+            }
+        }
+    }
+}
+
+impl<E: Encoder> SseState<E> {
+    fn fail(&mut self, message: String) {
+        tracing::error!("stream failed: {message}");
+        self.encoder.fail(message, &mut self.frames);
+        self.finished = true;
+    }
+}
+
+/// `data: <json>` (OpenAI's chat and text streams name no events).
+pub fn frame(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+/// `event: <name>` then `data: <json>` (Anthropic's and the Responses API's streams).
+pub fn event(name: &str, v: &Value) -> Bytes {
+    Bytes::from(format!("event: {name}\ndata: {v}\n\n"))
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
     Chat,
@@ -38,78 +128,58 @@ pub struct StreamOptions {
     pub keepalive: Duration,
 }
 
-struct SseState {
-    gen: Generation,
-    opts: StreamOptions,
-    frames: VecDeque<Bytes>,
+/// OpenAI's chat and text completion chunks.
+struct OpenAiEncoder {
+    kind: Kind,
+    meta: Meta,
+    include_usage: bool,
     tool_index: usize,
-    finished: bool,
 }
 
 pub fn response(gen: Generation, opts: StreamOptions) -> Response {
-    let mut frames = VecDeque::new();
+    let mut first = Vec::new();
     if opts.kind == Kind::Chat {
         let role = json!({"role": "assistant", "content": ""});
-        frames.push_back(frame(&response::chat_chunk(&opts.meta, role, None, None, None)));
+        first.push(frame(&response::chat_chunk(&opts.meta, role, None, None, None)));
     }
-    let state = SseState { gen, opts, frames, tool_index: 0, finished: false };
-    let body = Body::from_stream(futures_util::stream::unfold(state, next_frame));
-    (
-        [
-            (header::CONTENT_TYPE, "text/event-stream"),
-            (header::CACHE_CONTROL, "no-cache"),
-            (header::HeaderName::from_static("x-accel-buffering"), "no"),
-        ],
-        body,
-    )
-        .into_response()
+    let encoder = OpenAiEncoder { kind: opts.kind, meta: opts.meta, include_usage: opts.include_usage, tool_index: 0 };
+    sse(gen, encoder, first, opts.keepalive)
 }
 
-async fn next_frame(mut s: SseState) -> Option<(Result<Bytes, Infallible>, SseState)> {
-    loop {
-        if let Some(f) = s.frames.pop_front() {
-            return Some((Ok(f), s));
-        }
-        if s.finished {
-            return None;
-        }
-        let waited = tokio::time::timeout(s.opts.keepalive, s.gen.next());
-        match AssertUnwindSafe(waited).catch_unwind().await {
-            Err(_) => s.fail("internal error: the stream's pipeline panicked".into()),
-            Ok(Err(_)) => return Some((Ok(Bytes::from_static(b": keepalive\n\n")), s)),
-            Ok(Ok(None)) => s.finished = true,
-            Ok(Ok(Some(piece))) => s.piece(piece),
-        }
-    }
-}
-
-impl SseState {
-    fn piece(&mut self, piece: Piece) {
+impl Encoder for OpenAiEncoder {
+    fn piece(&mut self, piece: Piece, out: &mut VecDeque<Bytes>) {
         let lp = logprobs::block(piece.logprobs);
         let d = piece.delta;
-        match self.opts.kind {
-            Kind::Chat => self.chat_delta(&d.content, &d.reasoning, &d.tool_calls, lp),
+        match self.kind {
+            Kind::Chat => self.chat_delta(&d.content, &d.reasoning, &d.tool_calls, lp, out),
             Kind::Text if !d.content.is_empty() || lp.is_some() => {
-                let c = response::text_completion(&self.opts.meta, &d.content, lp, None, None);
-                self.frames.push_back(frame(&c));
+                let c = response::text_completion(&self.meta, &d.content, lp, None, None);
+                out.push_back(frame(&c));
             }
             Kind::Text => {}
         }
         match piece.end {
             None => {}
-            Some(End::Finished { reason, usage }) => self.finish(reason, usage),
-            Some(End::Failed(message)) => self.fail(message),
+            Some(End::Finished { reason, usage, .. }) => self.finish(reason, usage, out),
+            Some(End::Failed(message)) => self.fail(message, out),
         }
     }
 
-    fn fail(&mut self, message: String) {
-        tracing::error!("generation failed mid-stream: {message}");
-        self.frames.push_back(frame(&ApiError::internal(message).body()));
-        self.finished = true;
+    fn fail(&mut self, message: String, out: &mut VecDeque<Bytes>) {
+        out.push_back(frame(&ApiError::internal(message).body()));
     }
+}
 
-    fn chat_delta(&mut self, content: &str, reasoning: &str, calls: &[ferrolm_text::ToolCall], mut lp: Option<Value>) {
-        let meta = &self.opts.meta;
+impl OpenAiEncoder {
+    fn chat_delta(
+        &mut self,
+        content: &str,
+        reasoning: &str,
+        calls: &[ferrolm_text::ToolCall],
+        mut lp: Option<Value>,
+        out: &mut VecDeque<Bytes>,
+    ) {
+        let meta = &self.meta;
         if !content.is_empty() || !reasoning.is_empty() || (calls.is_empty() && lp.is_some()) {
             let mut delta = json!({});
             if !content.is_empty() {
@@ -118,41 +188,31 @@ impl SseState {
             if !reasoning.is_empty() {
                 delta["reasoning"] = json!(reasoning);
             }
-            let c = response::chat_chunk(meta, delta, lp.take(), None, None);
-            self.frames.push_back(frame(&c));
+            out.push_back(frame(&response::chat_chunk(meta, delta, lp.take(), None, None)));
         }
         if !calls.is_empty() {
             let list = response::tool_calls_json(calls, Some(self.tool_index));
             self.tool_index += calls.len();
             let c = response::chat_chunk(meta, json!({"tool_calls": list}), lp.take(), None, None);
-            self.frames.push_back(frame(&c));
+            out.push_back(frame(&c));
         }
     }
 
-    fn finish(&mut self, reason: &str, usage: Usage) {
-        let meta = &self.opts.meta;
-        let inline = (!self.opts.include_usage).then_some(usage);
-        let last = match self.opts.kind {
+    fn finish(&mut self, reason: &str, usage: Usage, out: &mut VecDeque<Bytes>) {
+        let meta = &self.meta;
+        let inline = (!self.include_usage).then_some(usage);
+        let last = match self.kind {
             Kind::Chat => response::chat_chunk(meta, json!({}), None, Some(reason), inline),
             Kind::Text => response::text_completion(meta, "", None, Some(reason), inline),
         };
-        self.frames.push_back(frame(&last));
-        if self.opts.include_usage {
-            let object = match self.opts.kind {
+        out.push_back(frame(&last));
+        if self.include_usage {
+            let object = match self.kind {
                 Kind::Chat => "chat.completion.chunk",
                 Kind::Text => "text_completion",
             };
-            self.frames.push_back(frame(&response::usage_chunk(meta, object, usage)));
+            out.push_back(frame(&response::usage_chunk(meta, object, usage)));
         }
-        self.frames.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
-        self.finished = true;
+        out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
     }
-}
-
-fn frame(v: &Value) -> Bytes {
-    let mut s = String::with_capacity(256);
-    s.push_str("data: ");
-    s.push_str(&v.to_string());
-    s.push_str("\n\n");
-    Bytes::from(s)
 }

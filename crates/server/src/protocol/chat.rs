@@ -14,6 +14,9 @@ pub struct ChatRequest {
     pub tools: Vec<Value>,
     pub tool_specs: Vec<ToolSpec>,
     pub template_kwargs: Map<String, Value>,
+    /// Text the answer continues from, appended after the rendered generation prompt
+    /// (Anthropic's final assistant message, "prefill"); None for OpenAI chat, as in mlx-lm.
+    pub prefill: Option<String>,
 }
 
 pub fn parse_chat(
@@ -24,7 +27,8 @@ pub fn parse_chat(
     let messages = parse_messages(body)?;
     let tools = parse_tools(body)?;
     let tool_specs = tools.iter().filter_map(ToolSpec::from_openai).collect();
-    Ok(ChatRequest { messages, tools, tool_specs, template_kwargs: template_kwargs(body, server_args, has_thinking)? })
+    let template_kwargs = template_kwargs(body, server_args, has_thinking)?;
+    Ok(ChatRequest { messages, tools, tool_specs, template_kwargs, prefill: None })
 }
 
 fn parse_messages(body: &Map<String, Value>) -> ApiResult<Vec<Value>> {

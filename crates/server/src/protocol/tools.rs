@@ -24,6 +24,19 @@ fn preamble(tools: &[Value]) -> String {
     s
 }
 
+/// A chat tool's `function` in OpenAI's key order (name, description, parameters), for tools
+/// given in another API's shape: templates and the system-message description print the object
+/// as given, so the prompt is the one the equivalent chat request renders.
+pub fn function(name: &str, description: Option<&Value>, parameters: Value) -> Value {
+    let mut f = serde_json::Map::new();
+    f.insert("name".into(), json!(name));
+    if let Some(d) = description.filter(|d| d.is_string()) {
+        f.insert("description".into(), d.clone());
+    }
+    f.insert("parameters".into(), parameters);
+    Value::Object(f)
+}
+
 /// Describes `tools` in the (first) system message, adding one if there is none.
 pub fn describe_in_system(messages: &mut Vec<Value>, tools: &[Value]) {
     let text = preamble(tools);

@@ -1,18 +1,21 @@
-//! `POST /v1/chat/completions` (and mlx_lm.server's `/chat/completions`).
+//! `POST /v1/chat/completions` (and mlx_lm.server's `/chat/completions`). [`prepare`] is the
+//! chat request's whole path from a body to a request ready to queue; the Anthropic and
+//! Responses endpoints translate their bodies into a chat body and run it too.
 
 use super::prompt::{self, token_budget};
-use super::{start, Started};
+use super::{start, Prepared, Started};
 use crate::errors::ApiResult;
 use crate::pipeline::PipelineConfig;
-use crate::protocol::chat::parse_chat;
+use crate::protocol::chat::{parse_chat, ChatRequest};
 use crate::protocol::logprobs;
-use crate::protocol::request::{parse_body, parse_common};
+use crate::protocol::request::{parse_body, parse_common, CommonParams};
 use crate::protocol::response;
 use crate::state::SharedState;
 use crate::stream::Kind;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Json, Response};
+use serde_json::{Map, Value};
 use std::time::Instant;
 
 pub async fn handle(State(state): State<SharedState>, body: Bytes) -> Response {
@@ -20,36 +23,55 @@ pub async fn handle(State(state): State<SharedState>, body: Bytes) -> Response {
     super::guarded(run(&state, &body, arrived)).await
 }
 
-async fn run(state: &SharedState, body: &[u8], arrived: Instant) -> ApiResult<Response> {
-    let body = parse_body(body)?;
-    let info = state.bundle().model.info().clone();
-    let common = parse_common(&body, &state.config, info.vocab_size)?;
-    let args = &state.config.chat_template_args;
-    let chat = parse_chat(&body, args, state.think_tags.is_some())?;
+/// Validates a chat body, renders and tokenizes its prompt, and sets the token budget and the
+/// output routing (stops, reasoning tags, offered tools).
+pub(crate) async fn prepare(state: &SharedState, body: &Map<String, Value>) -> ApiResult<Prepared> {
+    let (common, chat) = parse(state, body)?;
+    prepare_parsed(state, common, chat).await
+}
+
+/// The sampling / stream fields and the chat (messages, tools, template variables) of a body.
+pub(crate) fn parse(state: &SharedState, body: &Map<String, Value>) -> ApiResult<(CommonParams, ChatRequest)> {
+    let vocab_size = state.bundle().model.info().vocab_size;
+    let common = parse_common(body, &state.config, vocab_size)?;
+    let chat = parse_chat(body, &state.config.chat_template_args, state.think_tags.is_some())?;
+    Ok((common, chat))
+}
+
+pub(crate) async fn prepare_parsed(
+    state: &SharedState,
+    common: CommonParams,
+    chat: ChatRequest,
+) -> ApiResult<Prepared> {
+    let context = state.bundle().model.info().context_length;
     let tool_specs = chat.tool_specs.clone();
+    // A prefilled answer goes on from the prefill's last character: no space is trimmed.
+    let trim_leading_space = chat.prefill.is_none();
     let prompt = prompt::chat(state, chat).await?;
     let budget = state.config.max_tokens;
-    let max_tokens = token_budget(prompt.ids.len(), common.max_tokens, budget, info.context_length, "messages")?;
+    let max_tokens = token_budget(prompt.ids.len(), common.max_tokens, budget, context, "messages")?;
     let pipeline = PipelineConfig {
         stops: common.stop.clone(),
         reasoning: (state.think_tags.clone()).map(|(s, e)| (s, e, prompt.opens_reasoning)),
         tools: (!tool_specs.is_empty()).then_some(tool_specs),
-        trim_leading_space: true,
+        trim_leading_space,
     };
-    let started = start(state, &body, Kind::Chat, &common, prompt.ids, max_tokens, pipeline, arrived)?;
-    let (meta, all, reason, usage) = match started {
+    Ok(Prepared { common, prompt: prompt.ids, max_tokens, pipeline })
+}
+
+async fn run(state: &SharedState, body: &[u8], arrived: Instant) -> ApiResult<Response> {
+    let body = parse_body(body)?;
+    let prepared = prepare(state, &body).await?;
+    let (meta, out) = match start(state, &body, Kind::Chat, prepared, arrived)? {
         Started::Stream(resp) => return Ok(resp),
-        Started::Whole(mut gen, meta) => {
-            let (all, reason, usage) = super::finished(&mut gen).await?;
-            (meta, all, reason, usage)
-        }
+        Started::Whole(mut gen, meta) => (meta, super::finished(&mut gen).await?),
     };
-    let d = all.delta;
+    let d = out.all.delta;
     let calls = response::tool_calls_json(&d.tool_calls, None);
     // Whitespace between tool-call blocks is not an answer.
     let blank = !calls.is_empty() && d.content.trim().is_empty();
     let content = if blank { "" } else { &d.content };
     let message = response::assistant_message(content, &d.reasoning, calls);
-    let lp = logprobs::block(all.logprobs);
-    Ok(Json(response::chat_completion(&meta, message, lp, reason, usage)).into_response())
+    let lp = logprobs::block(out.all.logprobs);
+    Ok(Json(response::chat_completion(&meta, message, lp, out.reason, out.usage)).into_response())
 }

@@ -2,7 +2,7 @@
 //! parsing; stop strings apply).
 
 use super::prompt::{self, token_budget};
-use super::{start, Started};
+use super::{start, Prepared, Started};
 use crate::errors::ApiResult;
 use crate::pipeline::PipelineConfig;
 use crate::protocol::logprobs;
@@ -28,13 +28,14 @@ async fn run(state: &SharedState, body: &[u8], arrived: Instant) -> ApiResult<Re
     let budget = state.config.max_tokens;
     let max_tokens = token_budget(ids.len(), common.max_tokens, budget, info.context_length, "prompt")?;
     let pipeline = PipelineConfig { stops: common.stop.clone(), ..Default::default() };
-    match start(state, &body, Kind::Text, &common, ids, max_tokens, pipeline, arrived)? {
+    let prepared = Prepared { common, prompt: ids, max_tokens, pipeline };
+    match start(state, &body, Kind::Text, prepared, arrived)? {
         Started::Stream(resp) => Ok(resp),
         Started::Whole(mut gen, meta) => {
-            let (all, reason, usage) = super::finished(&mut gen).await?;
-            let lp = logprobs::block(all.logprobs);
-            let text = &all.delta.content;
-            let body = response::text_completion(&meta, text, lp, Some(reason), Some(usage));
+            let out = super::finished(&mut gen).await?;
+            let lp = logprobs::block(out.all.logprobs);
+            let text = &out.all.delta.content;
+            let body = response::text_completion(&meta, text, lp, Some(out.reason), Some(out.usage));
             Ok(Json(body).into_response())
         }
     }

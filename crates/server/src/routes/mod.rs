@@ -1,12 +1,14 @@
 //! The router: mlx_lm.server's endpoints (`/v1/chat/completions` and its `/chat/completions`
-//! alias, `/v1/completions`, `/v1/models`, `/health`) plus `/metrics`; CORS as mlx_lm.server
-//! sends it (`--allowed-origins`, OPTIONS answered 204); every response counted by endpoint and
-//! status; errors in OpenAI's shape, also for unknown paths and methods.
+//! alias, `/v1/completions`, `/v1/models`, `/health`) plus `/metrics`, Anthropic's Messages
+//! (`/v1/messages`, `/v1/messages/count_tokens`) and OpenAI's Responses (`/v1/responses`); CORS
+//! as mlx_lm.server sends it (`--allowed-origins`, OPTIONS answered 204); every response counted
+//! by endpoint and status; errors in OpenAI's shape (Anthropic's on its endpoints), also for
+//! unknown paths and methods.
 
-mod chat;
+pub(crate) mod chat;
 mod completions;
 mod models;
-mod prompt;
+pub(crate) mod prompt;
 
 use crate::errors::{ApiError, ApiResult};
 use crate::generation::{End, Generation, GenerationSpec, Piece};
@@ -15,6 +17,7 @@ use crate::protocol::request::CommonParams;
 use crate::protocol::response::{self, Meta, Usage};
 use crate::state::{unix_now, SharedState};
 use crate::stream::{self, Kind, StreamOptions};
+use crate::{anthropic, responses};
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::middleware::{self, Next};
@@ -35,6 +38,10 @@ pub fn router(state: SharedState) -> Router {
         .route("/v1/chat/completions", post(chat::handle))
         .route("/chat/completions", post(chat::handle))
         .route("/v1/completions", post(completions::handle))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/{id}", get(responses::get).delete(responses::delete))
         .route("/v1/models", get(models::list))
         .route("/v1/models/{*id}", get(models::one))
         .route("/health", get(health))
@@ -88,11 +95,19 @@ fn cors(allowed: &[String], origin: Option<HeaderValue>, h: &mut HeaderMap) {
     h.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, any);
 }
 
-/// Runs a handler; a panic becomes a 500 for this request only.
+/// Runs a handler; a panic becomes a 500 for this request only. Errors in OpenAI's shape.
 async fn guarded(fut: impl Future<Output = Result<Response, ApiError>>) -> Response {
+    guarded_as(fut, ApiError::into_response).await
+}
+
+/// `guarded` with the protocol's own error shape (`shape` turns an error into the response).
+pub(crate) async fn guarded_as(
+    fut: impl Future<Output = Result<Response, ApiError>>,
+    shape: fn(ApiError) -> Response,
+) -> Response {
     match AssertUnwindSafe(fut).catch_unwind().await {
         Ok(Ok(resp)) => resp,
-        Ok(Err(e)) => e.into_response(),
+        Ok(Err(e)) => shape(e),
         Err(panic) => {
             let what = panic
                 .downcast_ref::<String>()
@@ -100,7 +115,7 @@ async fn guarded(fut: impl Future<Output = Result<Response, ApiError>>) -> Respo
                 .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "unknown panic".into());
             tracing::error!("request handler panicked: {what}");
-            ApiError::internal(format!("internal error: {what}")).into_response()
+            shape(ApiError::internal(format!("internal error: {what}")))
         }
     }
 }
@@ -123,18 +138,16 @@ enum Started {
     Whole(Generation, Meta),
 }
 
-/// Queues the generation (429 when the queue is full) and, for `stream`, opens the SSE response.
-#[allow(clippy::too_many_arguments)]
-fn start(
+/// Queues the generation (429 when the queue is full): the part every protocol shares.
+pub(crate) fn launch(
     state: &SharedState,
     body: &Map<String, Value>,
-    kind: Kind,
     common: &CommonParams,
     mut prompt: Vec<u32>,
     max_tokens: usize,
     pipeline: PipelineConfig,
     arrived: Instant,
-) -> ApiResult<Started> {
+) -> ApiResult<Generation> {
     if injected_fault(state, body).as_deref() == Some("engine") {
         prompt.clear();
     }
@@ -145,7 +158,18 @@ fn start(
         ..Default::default()
     };
     let spec = GenerationSpec { prompt, params, pipeline, logprobs: common.logprobs };
-    let gen = Generation::start(state, spec, arrived)?;
+    Generation::start(state, spec, arrived)
+}
+
+/// Queues an OpenAI chat / text generation and, for `stream`, opens the SSE response.
+fn start(
+    state: &SharedState,
+    body: &Map<String, Value>,
+    kind: Kind,
+    run: Prepared,
+    arrived: Instant,
+) -> ApiResult<Started> {
+    let gen = launch(state, body, &run.common, run.prompt, run.max_tokens, run.pipeline, arrived)?;
     let prefix = match kind {
         Kind::Chat => "chatcmpl",
         Kind::Text => "cmpl",
@@ -156,23 +180,39 @@ fn start(
         model: state.config.model_id.clone(),
         fingerprint: state.fingerprint.clone(),
     };
-    if !common.stream {
+    if !run.common.stream {
         return Ok(Started::Whole(gen, meta));
     }
     let opts = StreamOptions {
         kind,
         meta,
-        include_usage: common.include_usage,
+        include_usage: run.common.include_usage,
         keepalive: Duration::from_secs_f64(state.config.keepalive_secs),
     };
     Ok(Started::Stream(stream::response(gen, opts)))
 }
 
+/// A request ready to queue: its parameters, prompt ids, token budget and output routing.
+pub(crate) struct Prepared {
+    pub common: CommonParams,
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub pipeline: PipelineConfig,
+}
+
+/// A whole generation: all its output, why it ended, its usage and the stop string that ended it.
+pub(crate) struct Outcome {
+    pub all: Piece,
+    pub reason: &'static str,
+    pub usage: Usage,
+    pub stop: Option<String>,
+}
+
 /// Runs a non-streaming generation to its end; a failure is a 500.
-async fn finished(gen: &mut Generation) -> ApiResult<(Piece, &'static str, Usage)> {
+pub(crate) async fn finished(gen: &mut Generation) -> ApiResult<Outcome> {
     let mut all = gen.collect().await;
     match all.end.take() {
-        Some(End::Finished { reason, usage }) => Ok((all, reason, usage)),
+        Some(End::Finished { reason, usage, stop }) => Ok(Outcome { all, reason, usage, stop }),
         Some(End::Failed(message)) => Err(ApiError::internal(message)),
         None => Err(ApiError::internal("the generation ended without a result")),
     }

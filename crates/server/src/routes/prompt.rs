@@ -42,6 +42,10 @@ fn render_chat(state: &SharedState, chat: ChatRequest) -> ApiResult<ChatPrompt> 
         }
         None => (convert_chat(&messages), true),
     };
+    let text = match chat.prefill {
+        Some(prefill) => text + &prefill,
+        None => text,
+    };
     let ids = bundle
         .tokenizer
         .encode(&text, add_special)

@@ -66,6 +66,70 @@ fn attend_as(q: &Tensor, k: &Tensor, v: &Tensor, pos: Positions, p: &AttentionPa
     attend_generic(q, k, v, pos, p)
 }
 
+/// One sequence's decode query in a batch: q `[1, Hq, D]` over its keys and values `[Hkv, S, D]`.
+pub struct DecodeQuery<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub pos: Positions,
+}
+
+/// `attend` for the decode tokens of several sequences, `[n, Hq·D]`: on the CPU one parallel
+/// pass over all their (kv head, key range) items (`decode_attn::attend_many`), each
+/// sequence's output the bits `attend` gives it alone; elsewhere one call per sequence.
+pub fn attend_decode_batch(queries: &[DecodeQuery<'_>], p: &AttentionParams) -> candle_core::Result<Tensor> {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(out) = decode_batch_cpu(queries, p)? {
+        return Ok(out);
+    }
+    let outs = queries.iter().map(|d| attend(d.q, d.k, d.v, d.pos, p)).collect::<candle_core::Result<Vec<_>>>()?;
+    Tensor::cat(&outs, 0)
+}
+
+/// The CPU batch when every query is one f32 token over an f16 (or every one over an f32) cache
+/// with a head size `decode_attn` takes; None otherwise.
+#[cfg(target_arch = "x86_64")]
+fn decode_batch_cpu(queries: &[DecodeQuery<'_>], p: &AttentionParams) -> candle_core::Result<Option<Tensor>> {
+    let Some(first) = queries.first() else { return Ok(None) };
+    let kv_dtype = first.k.dtype();
+    let fits = |d: &DecodeQuery| {
+        matches!(d.q.device(), Device::Cpu) && d.q.dtype() == DType::F32 && d.q.dims()[0] == 1 && d.k.dtype() == kv_dtype && d.v.dtype() == kv_dtype
+    };
+    if queries.len() < 2 || !queries.iter().all(fits) || !decode_kernel(first.q.dims()[2]) {
+        return Ok(None);
+    }
+    match kv_dtype {
+        DType::F16 => decode_batch_typed::<half::f16>(queries, p).map(Some),
+        DType::F32 => decode_batch_typed::<f32>(queries, p).map(Some),
+        _ => Ok(None),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn decode_batch_typed<E: crate::cpu::decode_attn::Elem + candle_core::WithDType>(queries: &[DecodeQuery<'_>], p: &AttentionParams) -> candle_core::Result<Tensor> {
+    use crate::cpu::decode_attn::{attend_many, DecodeCall};
+    use candle_core::Storage;
+    let qs = queries.iter().map(|d| d.q.contiguous()).collect::<candle_core::Result<Vec<_>>>()?;
+    let guards: Vec<_> = queries.iter().zip(&qs).map(|(d, q)| (q.storage_and_layout(), d.k.storage_and_layout(), d.v.storage_and_layout())).collect();
+    let mut calls = Vec::with_capacity(queries.len());
+    for (d, ((qs, ql), (ks, kl), (vs, vl))) in queries.iter().zip(&guards) {
+        let (Storage::Cpu(qc), Storage::Cpu(kc), Storage::Cpu(vc)) = (&**qs, &**ks, &**vs) else { candle_core::bail!("attention: expected CPU tensors") };
+        let (_, hq, dim) = d.q.dims3()?;
+        let (hkv, s, _) = d.k.dims3()?;
+        let (lo, hi) = visible_keys(d.pos.query_start, s, d.pos, p.window);
+        let q = &qc.as_slice::<f32>()?[ql.start_offset()..ql.start_offset() + hq * dim];
+        let (k, v) = (kv_view(kc.as_slice::<E>()?, kl)?, kv_view(vc.as_slice::<E>()?, vl)?);
+        calls.push(DecodeCall { q, k, v, hq, hkv, d: dim, lo, hi, scale: p.scale, softcap: p.softcap });
+    }
+    let width = calls[0].hq * calls[0].d;
+    let mut out = vec![0f32; calls.len() * width];
+    let mut outs: Vec<&mut [f32]> = out.chunks_exact_mut(width).collect();
+    let refs: Vec<&DecodeCall<E>> = calls.iter().collect();
+    attend_many(&refs, &mut outs);
+    drop(guards);
+    Tensor::from_vec(out, (queries.len(), width), &Device::Cpu)
+}
+
 /// The reference composition: explicit scores, mask and softmax.
 pub fn attend_generic(
     q: &Tensor,
@@ -355,6 +419,36 @@ mod tests {
         check_d(128, 1, 8, 8, 40, Positions { query_start: 39, key_start: 0 }, None, None);
         check_d(256, 1, 4, 1, 700, Positions { query_start: 699, key_start: 0 }, Some(512), Some(30.0));
         check_d(64, 1, 14, 2, 1000, Positions { query_start: 1100, key_start: 101 }, Some(90), None);
+    }
+
+    /// Several sequences' decode tokens in one pass equal each one's `attend` bit for bit
+    /// (different lengths, so different key splits; a window).
+    #[test]
+    fn decode_batch_equals_each_alone() {
+        let dev = Device::Cpu;
+        for window in [None, Some(100)] {
+            let p = AttentionParams { scale: 0.125, window, softcap: None };
+            let lens = [1, 70, 300, 1000, 129];
+            let data: Vec<(Tensor, Tensor, Tensor)> = lens
+                .iter()
+                .map(|&s| {
+                    let q = Tensor::randn(0f32, 1.0, (1, 8, 64), &dev).unwrap();
+                    let kv = |_| Tensor::randn(0f32, 1.0, (2, s + 3, 64), &dev).unwrap().to_dtype(DType::F16).unwrap().narrow(1, 0, s).unwrap();
+                    (q, kv(0), kv(1))
+                })
+                .collect();
+            let queries: Vec<DecodeQuery> = data
+                .iter()
+                .zip(lens)
+                .map(|((q, k, v), s)| DecodeQuery { q, k, v, pos: Positions { query_start: s - 1, key_start: 0 } })
+                .collect();
+            let batch = attend_decode_batch(&queries, &p).unwrap();
+            for (i, d) in queries.iter().enumerate() {
+                let alone = attend(d.q, d.k, d.v, d.pos, &p).unwrap();
+                let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&batch.narrow(0, i, 1).unwrap()), bits(&alone), "sequence {i}, window {window:?}");
+            }
+        }
     }
 
     /// A prompt's attention is the same bits however it is cut into chunks: each chunk sees

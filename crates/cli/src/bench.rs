@@ -33,6 +33,13 @@ pub struct Args {
     /// (GPUs); FERROLM_CUDA_GRAPH=0 keeps the static step but runs it eagerly.
     #[arg(long)]
     no_static: bool,
+    /// Run N sequences together through the engine step (continuous batching) and report
+    /// their aggregate decode rate instead of one sequence's figures.
+    #[arg(long, default_value_t = 1)]
+    concurrency: usize,
+    /// Tokens per engine step at most with --concurrency (see `ferrolm serve`).
+    #[arg(long, default_value_t = ferrolm_engine::config::DEFAULT_MAX_BATCH_TOKENS)]
+    max_batch_tokens: usize,
     /// Split the model over N ranks (see `ferrolm serve --tensor-parallel`).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     tensor_parallel: u32,
@@ -54,6 +61,9 @@ pub fn run(args: Args) -> CliResult<()> {
         None => bench_prompt(&b.tokenizer, args.prompt_tokens)?,
     };
     let model = b.model.as_ref();
+    if args.concurrency > 1 {
+        return concurrent(&args, model, &prompt);
+    }
     let (mut prefill, mut decode, mut ttft) = (Vec::new(), Vec::new(), Vec::new());
     // The captured step pays off where launches cost (GPUs); on CPU the regular forward is faster.
     let use_static = !args.no_static && !model.device().is_cpu();
@@ -94,6 +104,34 @@ pub fn run(args: Args) -> CliResult<()> {
             args.decode_tokens,
             args.runs
         );
+    }
+    Ok(())
+}
+
+/// `--concurrency N`: median of the runs of `bench_batch::run`.
+fn concurrent(args: &Args, model: &dyn CausalLm, prompt: &[u32]) -> CliResult<()> {
+    let n = args.concurrency;
+    let (mut decode, mut first, mut steps) = (Vec::new(), Vec::new(), 0);
+    for run in 0..=args.runs {
+        let r = crate::bench_batch::run(model, prompt, n, args.decode_tokens, args.max_batch_tokens).map_err(CliError::runtime)?;
+        if run > 0 {
+            decode.push(r.decode_tps);
+            first.push(r.last_first_token_ms);
+            steps = r.decode_steps;
+        }
+    }
+    let (d, f) = (median(&mut decode), median(&mut first));
+    let rss = peak_rss_mb();
+    if args.json {
+        let obj = serde_json::json!({
+            "concurrency": n, "prompt_tokens": prompt.len(), "decode_tokens": args.decode_tokens,
+            "runs": args.runs, "decode_tps": d, "decode_runs": decode, "last_first_token_ms": f,
+            "max_batch_tokens": args.max_batch_tokens, "peak_rss_mb": rss, "decode_steps": steps,
+            "threads": ferrolm_backend::cpu::threads::num_threads(),
+        });
+        println!("{obj}");
+    } else {
+        println!("{n} sequences of {} prompt tokens: decode {d:.1} tok/s in aggregate ({} tokens each), all first tokens by {f:.0} ms, median of {} (peak RSS {rss:.0} MB)", prompt.len(), args.decode_tokens, args.runs);
     }
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! `ferrolm`: serve, generate and benchmark LLMs on CPUs and NVIDIA GPUs.
 
 mod bench;
+mod bench_batch;
 mod dump_logits;
 mod generate;
 mod serve;

@@ -82,37 +82,69 @@ thread_local! {
 
 /// Writes the attention output `[hq·d]` of `c` into `out`. Callers check [`supports`] first.
 pub fn attend<E: Elem>(c: &DecodeCall<E>, out: &mut [f32]) {
-    assert!(supports(c.d) && c.hq % c.hkv == 0 && out.len() == c.hq * c.d);
-    let keys = c.hi.saturating_sub(c.lo);
-    let wanted = (2 * num_threads()).div_ceil(c.hkv);
-    let parts = wanted.min(keys / MIN_KEYS_PER_ITEM).max(1);
-    let per_part = keys.div_ceil(parts);
-    let group = c.hq / c.hkv;
-    let stride = partial_len(c.d);
+    attend_many(&[c], &mut [out])
+}
+
+/// The attention of several sequences' decode tokens (a batch), `outs[i]` for `calls[i]`, with
+/// the items of all of them in one parallel pass. Each call is cut into the same items as
+/// alone and merged alike, so its output is the bits [`attend`] gives it.
+pub fn attend_many<E: Elem>(calls: &[&DecodeCall<E>], outs: &mut [&mut [f32]]) {
+    assert_eq!(calls.len(), outs.len());
+    let splits: Vec<Split> = calls.iter().map(|c| split(c)).collect();
+    // Per call: its first item and the offset of its partial results.
+    let (mut first_item, mut first_partial) = (Vec::with_capacity(calls.len()), Vec::with_capacity(calls.len()));
+    let (mut items, mut len) = (0, 0);
+    for (c, sp) in calls.iter().zip(&splits) {
+        assert!(supports(c.d) && c.hq % c.hkv == 0);
+        first_item.push(items);
+        first_partial.push(len);
+        items += c.hkv * sp.parts;
+        len += sp.parts * c.hq * partial_len(c.d);
+    }
     PARTIALS.with(|partials| {
         let mut partials = partials.borrow_mut();
-        partials.resize(c.hkv * parts * group * stride, 0.0);
-        run_items(c, parts, per_part, &mut partials);
-        merge(c, parts, &partials, out);
+        partials.resize(len, 0.0);
+        run_items(calls, &splits, &first_item, &first_partial, &mut partials);
+        for (i, (c, out)) in calls.iter().zip(outs.iter_mut()).enumerate() {
+            assert_eq!(out.len(), c.hq * c.d);
+            merge(c, splits[i].parts, &partials[first_partial[i]..], out);
+        }
     })
 }
 
-/// Every (kv head, key range) item of `c` into `partials`.
-fn run_items<E: Elem>(c: &DecodeCall<E>, parts: usize, per_part: usize, partials: &mut [f32]) {
+/// How a call's keys are cut into items (depends only on the call and the thread count).
+struct Split {
+    parts: usize,
+    per_part: usize,
+}
+
+fn split<E>(c: &DecodeCall<E>) -> Split {
     let keys = c.hi.saturating_sub(c.lo);
-    let (group, stride) = (c.hq / c.hkv, partial_len(c.d));
+    let wanted = (2 * num_threads()).div_ceil(c.hkv);
+    let parts = wanted.min(keys / MIN_KEYS_PER_ITEM).max(1);
+    Split { parts, per_part: keys.div_ceil(parts) }
+}
+
+/// Every (call, kv head, key range) item into `partials`, over the threads.
+fn run_items<E: Elem>(calls: &[&DecodeCall<E>], splits: &[Split], first_item: &[usize], first_partial: &[usize], partials: &mut [f32]) {
+    let total: usize = calls.iter().zip(splits).map(|(c, s)| c.hkv * s.parts).sum();
+    let work: usize = calls.iter().map(|c| c.hi.saturating_sub(c.lo) * c.hq * c.d).sum();
+    let scratch = calls.iter().zip(splits).map(|(c, s)| c.hq / c.hkv * s.per_part).max().unwrap_or(0);
     let shared = super::threads::SharedOut::new(partials);
-    let worth = keys * c.hq * c.d > 1 << 14;
-    parallel_ranges(c.hkv * parts, 1, worth, |items| {
+    parallel_ranges(total, 1, work > 1 << 14, |items| {
         SCORES.with(|sc| {
             let mut sc = sc.borrow_mut();
-            sc.resize(group * per_part, 0.0);
+            sc.resize(scratch, 0.0);
             for item in items {
-                let (h, p) = (item / parts, item % parts);
-                let lo = c.lo + p * per_part;
-                let hi = (lo + per_part).min(c.hi);
+                let i = first_item.partition_point(|&f| f <= item) - 1;
+                let (c, sp) = (calls[i], &splits[i]);
+                let local = item - first_item[i];
+                let (h, p) = (local / sp.parts, local % sp.parts);
+                let lo = c.lo + p * sp.per_part;
+                let hi = (lo + sp.per_part).min(c.hi);
+                let (group, stride) = (c.hq / c.hkv, partial_len(c.d));
                 // SAFETY: each item writes only its own `group * stride` values of `partials`.
-                let dst = unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(item * group * stride), group * stride) };
+                let dst = unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(first_partial[i] + local * group * stride), group * stride) };
                 if lo >= hi {
                     for g in 0..group {
                         dst[g * stride] = f32::NEG_INFINITY;

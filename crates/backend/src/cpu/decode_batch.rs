@@ -120,7 +120,15 @@ unsafe fn int8_rows<V: Vnni, const R: usize, const G: usize>(w: *const u8, xq: *
             }
         }
     }
-    std::array::from_fn(|i| std::array::from_fn(|j| finish(acc[i][j], macc[i][j])))
+    // Loops, not closures: a closure would not inherit the target features, and the reduction
+    // inside `finish` would become a call.
+    let mut out = [[0f32; G]; R];
+    for i in 0..R {
+        for j in 0..G {
+            out[i][j] = finish(acc[i][j], macc[i][j]);
+        }
+    }
+    out
 }
 
 /// y(token, row) = W[row] · x_token for `m` f32 activation rows `x` (`m·cols` values), the
@@ -191,7 +199,13 @@ unsafe fn f32_rows<B: Dq16, const R: usize, const G: usize>(w: *const u8, row_by
             }
         }
     }
-    std::array::from_fn(|i| std::array::from_fn(|j| _mm512_reduce_add_ps(acc[i][j])))
+    let mut out = [[0f32; G]; R];
+    for i in 0..R {
+        for j in 0..G {
+            out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+        }
+    }
+    out
 }
 
 #[cfg(test)]

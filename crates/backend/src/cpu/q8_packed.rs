@@ -115,16 +115,22 @@ impl Q8Rows {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn gemv_tokens(&self, xq: &[QPair], m: usize, rows: std::ops::Range<usize>, y: &mut impl FnMut(usize, usize, f32)) {
         assert!(rows.start % 4 == 0 && rows.end <= self.rows && xq.len() == m * self.pairs);
+        // As in `gemv`: lane l of row i's scales.
+        let mut index = [_mm512_setzero_si512(); 4];
+        for (i, ix) in index.iter_mut().enumerate() {
+            let (a, b) = (2 * i as i32, 2 * i as i32 + 1);
+            *ix = _mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a);
+        }
         for g in rows.start / 4..rows.end.div_ceil(4) {
             let mut j = 0;
             while j < m {
                 let nt = (m - j).min(4);
                 let x = &xq[j * self.pairs..(j + nt) * self.pairs];
                 let out = match nt {
-                    1 => widen(self.group_tokens::<1>(g, x)),
-                    2 => widen(self.group_tokens::<2>(g, x)),
-                    3 => widen(self.group_tokens::<3>(g, x)),
-                    _ => widen(self.group_tokens::<4>(g, x)),
+                    1 => widen(self.group_tokens::<1>(g, x, &index)),
+                    2 => widen(self.group_tokens::<2>(g, x, &index)),
+                    3 => widen(self.group_tokens::<3>(g, x, &index)),
+                    _ => widen(self.group_tokens::<4>(g, x, &index)),
                 };
                 for (i, row) in out.iter().enumerate() {
                     let r = 4 * g + i;
@@ -140,11 +146,7 @@ impl Q8Rows {
     /// Row group `g` × `T` tokens: `gemv`'s loop with each line multiplied into every token's
     /// accumulator.
     #[inline(always)]
-    unsafe fn group_tokens<const T: usize>(&self, g: usize, xq: &[QPair]) -> [[f32; T]; 4] {
-        let index: [__m512i; 4] = std::array::from_fn(|i| {
-            let (a, b) = (2 * i as i32, 2 * i as i32 + 1);
-            _mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a)
-        });
+    unsafe fn group_tokens<const T: usize>(&self, g: usize, xq: &[QPair], index: &[__m512i; 4]) -> [[f32; T]; 4] {
         let mut acc = [[_mm512_setzero_ps(); T]; 4];
         let lines = self.lines.bytes().as_ptr();
         for p in 0..self.pairs {
@@ -165,7 +167,13 @@ impl Q8Rows {
                 }
             }
         }
-        acc.map(|row| row.map(|a| vnni::finish(a, _mm_setzero_ps())))
+        let mut out = [[0f32; T]; 4];
+        for i in 0..4 {
+            for t in 0..T {
+                out[i][t] = vnni::finish(acc[i][t], _mm_setzero_ps());
+            }
+        }
+        out
     }
 }
 

@@ -1,10 +1,10 @@
 use super::{BatchRows, FusedLinear};
 use crate::RowKind;
 use candle_core::{Result, Tensor};
-use ferrolm_backend::attention::{attend_prompt, Positions};
+use ferrolm_backend::attention::{attend_decode_batch, attend_prompt, DecodeQuery, Positions};
 use ferrolm_backend::attention_device::{append_and_attend, StaticStep};
 use ferrolm_backend::norm::RmsNorm;
-use ferrolm_backend::{attend, AttentionParams, Linear, Rope, RowInput};
+use ferrolm_backend::{AttentionParams, Linear, Rope, RowInput};
 use ferrolm_kv::KvCache;
 use std::sync::Arc;
 
@@ -40,21 +40,25 @@ impl SelfAttention {
             (Some(qn), Some(kn)) => (qn.forward(&q)?, kn.forward(&k)?),
             _ => (q, k),
         };
-        let mut outs = Vec::with_capacity(rows.spans.len());
+        // Each sequence's queries, rotated, and the keys and values it attends over (its new
+        // ones appended to its cache).
+        let mut seqs = Vec::with_capacity(rows.spans.len());
         for (span, cache) in rows.spans.iter().zip(caches.iter_mut()) {
-            let rows = |t: &Tensor| t.narrow(0, span.row, span.len);
-            let qs = self.rope.apply(&rows(&q)?, span.position)?;
-            let ks = self.rope.apply(&rows(&k)?, span.position)?;
-            let vs = rows(&v)?;
-            let kv = cache.update_and_fetch(&ks.transpose(0, 1)?, &vs.transpose(0, 1)?)?;
-            let pos = Positions {
-                query_start: span.position,
-                key_start: kv.key_start,
-            };
-            outs.push(match span.kind {
-                RowKind::Decode => attend(&qs, &kv.k, &kv.v, pos, &self.cfg.params)?,
-                RowKind::Prompt => attend_prompt(&qs, &kv.k, &kv.v, pos, &self.cfg.params)?,
-            });
+            let part = |t: &Tensor| t.narrow(0, span.row, span.len);
+            let qs = self.rope.apply(&part(&q)?, span.position)?;
+            let ks = self.rope.apply(&part(&k)?, span.position)?;
+            let kv = cache.update_and_fetch(&ks.transpose(0, 1)?, &part(&v)?.transpose(0, 1)?)?;
+            let pos = Positions { query_start: span.position, key_start: kv.key_start };
+            seqs.push((qs, kv, pos));
+        }
+        let decode = rows.spans.iter().take_while(|s| s.kind == RowKind::Decode).count();
+        let mut outs = Vec::with_capacity(1 + rows.spans.len() - decode);
+        if decode > 0 {
+            let queries: Vec<DecodeQuery> = seqs[..decode].iter().map(|(q, kv, pos)| DecodeQuery { q, k: &kv.k, v: &kv.v, pos: *pos }).collect();
+            outs.push(attend_decode_batch(&queries, &self.cfg.params)?);
+        }
+        for (q, kv, pos) in &seqs[decode..] {
+            outs.push(attend_prompt(q, &kv.k, &kv.v, *pos, &self.cfg.params)?);
         }
         let attn = if outs.len() == 1 {
             outs.pop().unwrap()

@@ -76,6 +76,14 @@ impl Default for Metrics {
 pub struct Gauges {
     pub queued: usize,
     pub running: usize,
+    /// Admitted to the batch, waiting for room (KV budget or sequence seats).
+    pub waiting: usize,
+    pub steps: u64,
+    pub preemptions: u64,
+    /// Per engine step: sequences in the forward, and rows forwarded (cumulative buckets of
+    /// `ferrolm_engine::BUCKETS`, then +Inf; sum; count).
+    pub batch_size: (Vec<u64>, u64, u64),
+    pub step_tokens: (Vec<u64>, u64, u64),
 }
 
 impl Metrics {
@@ -127,7 +135,15 @@ impl Metrics {
             &self.cancelled,
         );
         gauge(&mut out, "ferrolm_queue_depth", "Requests waiting for the engine.", gauges.queued);
-        gauge(&mut out, "ferrolm_requests_running", "Requests the engine is running.", gauges.running);
+        gauge(&mut out, "ferrolm_requests_running", "Sequences the engine is running (decoding together).", gauges.running);
+        gauge(&mut out, "ferrolm_requests_waiting", "Sequences admitted to the batch and waiting for room.", gauges.waiting);
+        let total = |out: &mut String, name: &str, help: &str, v: u64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+        };
+        total(&mut out, "ferrolm_engine_steps_total", "Engine steps that forwarded tokens.", gauges.steps);
+        total(&mut out, "ferrolm_preemptions_total", "Sequences preempted for KV memory (recomputed later).", gauges.preemptions);
+        count_histogram(&mut out, "ferrolm_batch_size", "Sequences per engine step.", &gauges.batch_size);
+        count_histogram(&mut out, "ferrolm_step_tokens", "Tokens forwarded per engine step.", &gauges.step_tokens);
         let hist = |h: &Mutex<Histogram>, out: &mut String, name: &str, help: &str| {
             if let Ok(h) = h.lock() {
                 h.render(out, name, help);
@@ -153,6 +169,15 @@ impl Metrics {
         );
         out
     }
+}
+
+/// A histogram of counts from the engine (`ferrolm_engine::Histogram::snapshot`).
+fn count_histogram(out: &mut String, name: &str, help: &str, (cumulative, sum, count): &(Vec<u64>, u64, u64)) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+    for (le, n) in ferrolm_engine::BUCKETS.iter().map(|b| b.to_string()).chain(["+Inf".to_string()]).zip(cumulative) {
+        let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {n}");
+    }
+    let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
 }
 
 fn observe(h: &Mutex<Histogram>, v: f64) {
@@ -182,7 +207,12 @@ mod tests {
         m.generated_token();
         m.ttft(0.03);
         m.inter_token(0.012);
-        let text = m.render(&Gauges { queued: 2, running: 1 });
+        let hist = (vec![0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], 2, 1);
+        let g = Gauges { queued: 2, running: 1, waiting: 0, steps: 5, preemptions: 0, batch_size: hist.clone(), step_tokens: hist };
+        let text = m.render(&g);
+        assert!(text.contains("ferrolm_batch_size_bucket{le=\"2\"} 1"));
+        assert!(text.contains("ferrolm_step_tokens_count 1"));
+        assert!(text.contains("ferrolm_engine_steps_total 5"));
         assert!(text.contains("ferrolm_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 2"));
         assert!(text.contains("ferrolm_prompt_tokens_total 12"));
         assert!(text.contains("ferrolm_queue_depth 2"));

@@ -50,7 +50,15 @@ impl AppState {
 
     pub fn gauges(&self) -> Gauges {
         let g = self.engine.gauges();
-        Gauges { queued: g.queued.load(Ordering::Relaxed), running: g.running.load(Ordering::Relaxed) }
+        Gauges {
+            queued: g.queued.load(Ordering::Relaxed),
+            running: g.running.load(Ordering::Relaxed),
+            waiting: g.waiting.load(Ordering::Relaxed),
+            steps: g.steps.load(Ordering::Relaxed),
+            preemptions: g.preemptions.load(Ordering::Relaxed),
+            batch_size: g.batch_size.snapshot(),
+            step_tokens: g.step_tokens.snapshot(),
+        }
     }
 }
 

@@ -20,6 +20,8 @@ pub enum Want {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SeqView {
     pub want: Want,
+    /// Sequences it stands for: 1, or 1 + the choices waiting to share its prompt.
+    pub seats: usize,
     /// Cache tokens it holds after its next row.
     pub kv_tokens: usize,
     /// Cache tokens it may reach (prompt and every token it may generate).
@@ -57,12 +59,17 @@ pub fn kv_budget_tokens(cfg: &BatchConfig, bytes_per_token: usize) -> usize {
 /// overtaken.
 pub fn admit(cfg: &BatchConfig, kv_budget: usize, running: &[SeqView], waiting: &[SeqView]) -> usize {
     let mut used: usize = running.iter().map(|s| s.kv_tokens).sum();
+    let mut seats: usize = running.iter().map(|s| s.seats).sum();
     let mut n = 0;
     for w in waiting {
-        if running.len() + n >= cfg.max_seqs || used + w.kv_tokens > kv_budget {
+        // The head always fits an empty batch (a request larger than the budget is refused
+        // at submission; a group larger than the seats runs alone).
+        let first = running.is_empty() && n == 0;
+        if !first && (seats + w.seats > cfg.max_seqs || used + w.kv_tokens > kv_budget) {
             break;
         }
         used += w.kv_tokens;
+        seats += w.seats;
         n += 1;
     }
     n
@@ -115,7 +122,7 @@ mod tests {
     }
 
     fn seq(want: Want, kv_tokens: usize) -> SeqView {
-        SeqView { want, kv_tokens, max_kv_tokens: kv_tokens + 10, max_chunk: 1000 }
+        SeqView { want, seats: 1, kv_tokens, max_kv_tokens: kv_tokens + 10, max_chunk: 1000 }
     }
 
     #[test]

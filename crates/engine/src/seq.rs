@@ -53,6 +53,9 @@ pub struct Sequence<'a> {
     /// Set once the generation has ended: the reason (None: the consumer stopped it).
     ended: Option<Option<FinishReason>>,
     failure: Option<String>,
+    /// Sequences of the same prompt (OpenAI's `n`) waiting for this one's prefill: they start
+    /// from a copy of its cache once its prompt, all but the last token, is in.
+    pub followers: Vec<Sequence<'a>>,
 }
 
 impl<'a> Sequence<'a> {
@@ -75,6 +78,7 @@ impl<'a> Sequence<'a> {
             first_token: None,
             ended: None,
             failure: None,
+            followers: Vec::new(),
         };
         if seq.tokens.is_empty() {
             seq.fail("the prompt is empty".into());
@@ -88,9 +92,11 @@ impl<'a> Sequence<'a> {
 
     /// What the scheduler needs to know.
     pub fn view(&self) -> SeqView {
+        let seats = 1 + self.followers.len();
         SeqView {
             want: self.want(),
-            kv_tokens: self.tokens.len() + 1,
+            seats,
+            kv_tokens: seats * (self.tokens.len() + 1),
             max_kv_tokens: self.max_kv_tokens(),
             max_chunk: self.params.prefill_chunk,
         }
@@ -116,6 +122,24 @@ impl<'a> Sequence<'a> {
     /// Marks the start of work (admission) for the stats' clock.
     pub fn start_clock(&mut self) {
         self.started.get_or_insert_with(Instant::now);
+    }
+
+    /// Whether its followers can start: its prompt but the last token is in the cache.
+    pub fn ready_to_fork(&self) -> bool {
+        !self.followers.is_empty() && self.want() == Want::Decode
+    }
+
+    /// Starts a follower from a copy of this sequence's cache (see `followers`).
+    pub fn fork(&self, mut follower: Sequence<'a>, empty: SeqCache) -> Sequence<'a> {
+        match self.cache.fork_into(empty) {
+            Ok(cache) => {
+                follower.stats.cached_tokens = cache.offset();
+                follower.cache = cache;
+            }
+            Err(e) => follower.fail(format!("could not share the prompt's cache: {e}")),
+        }
+        follower.start_clock();
+        follower
     }
 
     /// Samples the next token from this sequence's logits row `[vocab]` and delivers it.
@@ -195,6 +219,14 @@ impl<'a> Sequence<'a> {
     /// Sends the end to the sink: stats (also after an early stop) or the failure; returns the
     /// cache for reuse.
     pub fn retire(mut self) -> SeqCache {
+        // Followers that never started end as their leader did.
+        for mut follower in std::mem::take(&mut self.followers) {
+            match &self.failure {
+                Some(message) => follower.fail(message.clone()),
+                None => follower.ended = follower.ended.or(self.ended),
+            }
+            follower.retire();
+        }
         let outcome = match self.failure.take() {
             Some(message) => Err(message),
             None => Ok(self.final_stats()),

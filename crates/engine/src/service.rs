@@ -55,9 +55,9 @@ pub enum SubmitError {
     TooLarge { needed: usize, budget: usize },
 }
 
+/// Requests of one prompt (one, or OpenAI's `n` choices) with their event channels.
 struct Job {
-    request: Request,
-    events: UnboundedSender<Event>,
+    requests: Vec<(Request, UnboundedSender<Event>)>,
 }
 
 /// A cheap handle to the engine thread.
@@ -96,14 +96,27 @@ impl EngineHandle {
     /// cancels the request. A request whose prompt and `max_tokens` could never fit the KV
     /// budget is refused here, before any work.
     pub fn submit(&self, request: Request) -> Result<UnboundedReceiver<Event>, SubmitError> {
-        let needed = request.prompt.len() + request.params.max_tokens;
-        if needed > self.kv_budget_tokens {
+        let mut rx = self.submit_group(vec![request])?;
+        Ok(rx.pop().expect("one receiver per request"))
+    }
+
+    /// Queues requests of one prompt (OpenAI's `n` choices, each with its own sampling
+    /// parameters and seed): the prompt is computed once and its cache copied for the others.
+    /// One receiver per request, in order.
+    pub fn submit_group(&self, requests: Vec<Request>) -> Result<Vec<UnboundedReceiver<Event>>, SubmitError> {
+        let needed: usize = requests.iter().map(|r| r.prompt.len() + r.params.max_tokens).sum();
+        if requests.is_empty() || needed > self.kv_budget_tokens {
             return Err(SubmitError::TooLarge { needed, budget: self.kv_budget_tokens });
         }
-        let (events, rx) = unbounded_channel();
+        let (mut receivers, mut pairs) = (Vec::new(), Vec::new());
+        for r in requests {
+            let (events, rx) = unbounded_channel();
+            receivers.push(rx);
+            pairs.push((r, events));
+        }
         self.gauges.queued.fetch_add(1, Ordering::SeqCst);
-        match self.jobs.try_send(Job { request, events }) {
-            Ok(()) => Ok(rx),
+        match self.jobs.try_send(Job { requests: pairs }) {
+            Ok(()) => Ok(receivers),
             Err(e) => {
                 self.gauges.queued.fetch_sub(1, Ordering::SeqCst);
                 Err(match e {
@@ -173,28 +186,40 @@ impl Worker {
         }
     }
 
-    /// Turns a queued job into a sequence of the batch (or answers it at once).
+    /// Turns a queued job into sequences of the batch (or answers it at once).
     fn add(&self, batch: &mut Batch<'_>, job: Job) {
         self.gauges.queued.fetch_sub(1, Ordering::SeqCst);
-        let Job { request: r, events } = job;
-        // A client that left while waiting is dropped from the queue without work.
-        if events.is_closed() || r.cancel.is_cancelled() {
-            return;
+        let mut reqs = Vec::with_capacity(job.requests.len());
+        for (r, events) in job.requests {
+            // A client that left while waiting is dropped from the queue without work.
+            if events.is_closed() || r.cancel.is_cancelled() {
+                continue;
+            }
+            match self.sequence_request(r, events) {
+                Some(req) => reqs.push(req),
+                None => continue,
+            }
         }
+        if !reqs.is_empty() {
+            batch.add_group(reqs, self.bundle.model.make_cache());
+        }
+    }
+
+    /// The sequence of one request, or None after answering it with an error.
+    fn sequence_request(&self, r: Request, events: UnboundedSender<Event>) -> Option<SeqRequest<'static>> {
         let b = &self.bundle;
         let cfg = SamplerConfig { vocab_size: b.model.info().vocab_size, xtc_special_tokens: b.xtc_special_tokens(), ..Default::default() };
         let sampler = match Sampler::new(&r.params.sampling, &cfg) {
             Ok(s) => s,
             Err(e) => {
                 let _ = events.send(Event::Error(e.to_string()));
-                return;
+                return None;
             }
         };
         let mut eos_ids = b.eos_ids.clone();
         eos_ids.extend(&r.params.stop_token_ids);
         let sink = ChannelSink { events, cancel: r.cancel.clone() };
-        let req = SeqRequest { prompt: r.prompt, params: r.params, eos_ids, cancel: r.cancel, sampler: Box::new(sampler), sink: Box::new(sink) };
-        batch.add(req, b.model.make_cache());
+        Some(SeqRequest { prompt: r.prompt, params: r.params, eos_ids, cancel: r.cancel, sampler: Box::new(sampler), sink: Box::new(sink) })
     }
 }
 

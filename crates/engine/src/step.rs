@@ -50,14 +50,34 @@ impl<'a> Batch<'a> {
 
     /// Queues a request over `cache` (fresh, or holding a prefix of its prompt); returns its id.
     pub fn add(&mut self, req: SeqRequest<'a>, cache: SeqCache) -> u64 {
+        self.add_group(vec![req], cache)
+    }
+
+    /// Queues requests of one prompt (OpenAI's `n` choices): the first prefills it, the others
+    /// start from a copy of its cache. Returns the first one's id (the others follow it).
+    pub fn add_group(&mut self, reqs: Vec<SeqRequest<'a>>, cache: SeqCache) -> u64 {
+        let mut reqs = reqs.into_iter();
+        let mut leader = self.sequence(reqs.next().expect("at least one request"), cache);
+        for req in reqs {
+            let mut follower = self.sequence(req, self.model.make_cache());
+            if follower.tokens != leader.tokens {
+                follower.fail("the choices of one request must share its prompt".into());
+            }
+            leader.followers.push(follower);
+        }
+        let id = leader.id;
+        self.waiting.push_back(leader);
+        id
+    }
+
+    fn sequence(&mut self, req: SeqRequest<'a>, cache: SeqCache) -> Sequence<'a> {
         let id = self.next_id;
         self.next_id += 1;
         let mut seq = Sequence::new(id, req, cache);
         if seq.max_kv_tokens() > self.kv_budget {
             seq.fail(format!("the request needs {} cache tokens, more than the KV budget of {}", seq.max_kv_tokens(), self.kv_budget));
         }
-        self.waiting.push_back(seq);
-        id
+        seq
     }
 
     pub fn is_idle(&self) -> bool {
@@ -78,6 +98,7 @@ impl<'a> Batch<'a> {
         let mut report = StepReport::default();
         self.retire(&mut report);
         self.admit();
+        self.fork_ready();
         report.preempted = self.preempt();
         if !self.captured_greedy(interrupted) {
             let plan = scheduler::plan(&self.cfg, &self.views());
@@ -124,6 +145,17 @@ impl<'a> Batch<'a> {
             seq.start_clock();
             self.running.push(seq);
         }
+    }
+
+    /// Starts the followers of every sequence whose prompt is in (they decode from this step).
+    fn fork_ready(&mut self) {
+        let mut started = Vec::new();
+        for seq in self.running.iter_mut().filter(|s| s.ready_to_fork()) {
+            for follower in std::mem::take(&mut seq.followers) {
+                started.push(seq.fork(follower, self.model.make_cache()));
+            }
+        }
+        self.running.extend(started);
     }
 
     /// Preempts the newest sequences while the running ones outgrow the budget: their caches

@@ -235,3 +235,48 @@ fn preempted_sequences_complete() {
     }
     eprintln!("{preempted} preemptions");
 }
+
+/// OpenAI's `n`: choices of one prompt share its prefill (one sequence computes it, the others
+/// start from a copy of its cache) and each equals its own solo run bit for bit.
+#[test]
+fn choices_of_one_prompt_share_the_prefill_and_equal_their_solo_runs() {
+    let Some(model) = open_model("SmolLM2-135M-Instruct.Q4_1.gguf") else { return };
+    let model = model.as_ref();
+    let prompt = cases(model, 1).remove(0).prompt;
+    let choices: Vec<Case> = (0..3)
+        .map(|i| Case {
+            prompt: prompt.clone(),
+            max_tokens: 10,
+            sampling: SamplingParams { temperature: 1.0, seed: Some(7 + i), logprobs: Some(2), ..Default::default() },
+        })
+        .collect();
+    let cfg = BatchConfig { max_batch_tokens: 32, max_seqs: 8, kv_budget_bytes: 1 << 30 };
+    let mut batch = Batch::new(model, cfg, Default::default());
+    let records: Vec<_> = choices.iter().map(|_| Rc::new(RefCell::new(Recorded::default()))).collect();
+    let reqs = choices
+        .iter()
+        .zip(&records)
+        .map(|(c, r)| SeqRequest {
+            prompt: c.prompt.clone(),
+            params: params(c),
+            eos_ids: vec![],
+            cancel: CancelToken::new(),
+            sampler: Box::new(sampler(model, &c.sampling)),
+            sink: Box::new(Recorder(r.clone())),
+        })
+        .collect();
+    batch.add_group(reqs, model.make_cache());
+    let mut prompt_rows = 0;
+    while !batch.is_idle() {
+        let r = batch.step(&|| false);
+        prompt_rows += r.tokens.saturating_sub(r.seqs.min(3));
+    }
+    assert!(prompt_rows < 2 * prompt.len(), "the prompt was computed once, not per choice");
+    let traces: Vec<Trace> = records.iter().map(|r| r.borrow().trace.clone()).collect();
+    assert_ne!(traces[0], traces[1], "different seeds, different choices");
+    for (i, (c, t)) in choices.iter().zip(&traces).enumerate() {
+        assert!(*t == solo(model, c), "choice {i} differs from its solo run");
+        let stats = records[i].borrow().stats.clone().unwrap().unwrap();
+        assert_eq!(stats.cached_tokens, if i == 0 { 0 } else { prompt.len() - 1 });
+    }
+}

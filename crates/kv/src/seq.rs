@@ -65,10 +65,54 @@ impl SeqCache {
         self.layers.iter().map(|l| l.bytes_per_token()).sum()
     }
 
+    /// A copy of this cache's contents in `empty` (fresh caches of the same model): the same
+    /// tokens, bits and positions, so a sequence forked from it continues exactly as this one
+    /// would (several choices of one prompt share its prefill this way).
+    pub fn fork_into(&self, mut empty: SeqCache) -> candle_core::Result<SeqCache> {
+        if empty.layers.len() != self.layers.len() {
+            candle_core::bail!("fork: {} layers into {}", self.layers.len(), empty.layers.len())
+        }
+        for (from, to) in self.layers.iter().zip(&mut empty.layers) {
+            if let Some(state) = from.state()? {
+                to.load_state(&state, from.offset())?;
+            }
+        }
+        Ok(empty)
+    }
+
     /// The distinct signatures of the layers, e.g. `kv:plain` or `kv:rotating+kv:plain`.
     pub fn signature(&self) -> String {
         let mut sigs: Vec<String> = self.layers.iter().map(|l| l.signature()).collect();
         sigs.dedup();
         sigs.join("+")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{PlainCache, RotatingCache};
+    use candle_core::{DType, Device, Tensor};
+
+    /// A fork holds the same keys and values and continues like the original, on plain and
+    /// rotating (wrapped) layers.
+    #[test]
+    fn a_fork_continues_like_the_original() {
+        let dev = Device::Cpu;
+        let make = || SeqCache::new(vec![Box::new(PlainCache::new(2, 4, DType::F32, &dev)), Box::new(RotatingCache::new(2, 4, 8, DType::F32, &dev))]);
+        let mut a = make();
+        let x = Tensor::randn(0f32, 1.0, (2, 11, 4), &dev).unwrap();
+        for i in 0..a.num_layers() {
+            a.layer(i).update_and_fetch(&x, &x).unwrap();
+        }
+        let mut b = a.fork_into(make()).unwrap();
+        assert_eq!(b.offset(), 11);
+        let y = Tensor::randn(0f32, 1.0, (2, 1, 4), &dev).unwrap();
+        for i in 0..a.num_layers() {
+            let (va, vb) = (a.layer(i).update_and_fetch(&y, &y).unwrap(), b.layer(i).update_and_fetch(&y, &y).unwrap());
+            assert_eq!(va.key_start, vb.key_start);
+            let diff = (va.k - vb.k).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert_eq!(diff, 0.0, "layer {i}");
+        }
     }
 }

@@ -170,7 +170,10 @@ impl Worker {
                 let Ok(job) = jobs.recv() else { return };
                 self.add(&mut batch, job);
             }
-            while let Ok(job) = jobs.try_recv() {
+            // Jobs leave the bounded queue only as the batch can take them, so that the queue
+            // (and its 429s) is where requests wait when the batch is full.
+            while batch.waiting() == 0 {
+                let Ok(job) = jobs.try_recv() else { break };
                 self.add(&mut batch, job);
             }
             let gauges = &self.gauges;

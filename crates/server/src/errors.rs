@@ -132,7 +132,12 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let mut response = (self.status, axum::Json(self.body())).into_response();
+        // A full queue drains within seconds: tell clients (and SDKs' retry logic) when to retry.
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            response.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+        }
+        response
     }
 }
 

@@ -90,34 +90,31 @@ unsafe fn int8_rows<V: Vnni, const R: usize, const G: usize>(w: *const u8, xq: *
     let mut acc = [[_mm512_setzero_ps(); G]; R];
     let mut macc = [[_mm_setzero_ps(); G]; R];
     let ahead = prefetch_distance(R * s.row_bytes);
-    let x = |j: usize, p: usize| &*xq.add(j * s.pairs + p);
     if V::N == 32 {
         let full = s.pairs - s.odd as usize;
         for p in 0..s.pairs {
             let two = p < full;
-            for i in 0..R {
+            let mut wp = [(_mm512_setzero_si512(), _mm512_setzero_ps(), _mm_setzero_ps()); R];
+            for (i, wi) in wp.iter_mut().enumerate() {
                 let at = w.add(i * s.row_bytes + 2 * p * V::BYTES);
                 if two {
                     prefetch(at.wrapping_add(ahead));
                 }
-                let (wq, dw, m) = V::load_pair(at, 0, two);
-                for j in 0..G {
-                    loaded_pair_dot::<V>(wq, dw, m, x(j, p), &mut acc[i][j], &mut macc[i][j]);
-                }
+                *wi = V::load_pair(at, 0, two);
             }
+            tokens_dot::<V, R, G>(&wp, xq.add(p), s.pairs, &mut acc, &mut macc);
         }
     } else {
         let per_block = V::N / 64;
         for p in 0..s.pairs {
             let (blk, q) = (p / per_block, p % per_block);
-            for i in 0..R {
+            let mut wp = [(_mm512_setzero_si512(), _mm512_setzero_ps(), _mm_setzero_ps()); R];
+            for (i, wi) in wp.iter_mut().enumerate() {
                 let at = w.add(i * s.row_bytes + blk * V::BYTES);
                 prefetch(at.wrapping_add(ahead + q * V::BYTES / per_block));
-                let (wq, dw, m) = V::load_pair(at, q, true);
-                for j in 0..G {
-                    loaded_pair_dot::<V>(wq, dw, m, x(j, p), &mut acc[i][j], &mut macc[i][j]);
-                }
+                *wi = V::load_pair(at, q, true);
             }
+            tokens_dot::<V, R, G>(&wp, xq.add(p), s.pairs, &mut acc, &mut macc);
         }
     }
     // Loops, not closures: a closure would not inherit the target features, and the reduction
@@ -129,6 +126,26 @@ unsafe fn int8_rows<V: Vnni, const R: usize, const G: usize>(w: *const u8, xq: *
         }
     }
     out
+}
+
+/// One pair of `R` rows' weights (unpacked) into every token's accumulators: each token's
+/// activations (pair `p` at `xq`, token stride `pairs`) loaded once for the R rows. A function,
+/// not a closure: closures do not inherit the target features, and the intrinsics would be calls.
+#[inline(always)]
+unsafe fn tokens_dot<V: Vnni, const R: usize, const G: usize>(
+    w: &[(__m512i, __m512, __m128); R],
+    xq: *const QPair,
+    pairs: usize,
+    acc: &mut [[__m512; G]; R],
+    macc: &mut [[__m128; G]; R],
+) {
+    for j in 0..G {
+        let xp = &*xq.add(j * pairs);
+        for i in 0..R {
+            let (wq, dw, m) = w[i];
+            loaded_pair_dot::<V>(wq, dw, m, xp, &mut acc[i][j], &mut macc[i][j]);
+        }
+    }
 }
 
 /// y(token, row) = W[row] · x_token for `m` f32 activation rows `x` (`m·cols` values), the
@@ -295,5 +312,72 @@ mod tests {
         let q = vnni::tests::quantize_rows::<formats::Q4K>(&wf, rows, cols);
         check_f32::<formats::Q4K>(&q, rows, cols);
         assert_eq!(formats::F16::N, 16 * (formats::F16::N / 16));
+    }
+}
+
+#[cfg(test)]
+mod speed {
+    use super::super::formats;
+    use super::super::vnni::{self, available};
+    use super::*;
+
+    /// Single-thread rates of the batched decode product against the one-token kernel run once
+    /// per token (`cargo test --release -p ferrolm-backend -- --ignored tokens_rate --nocapture`).
+    fn rate<V: Vnni>(name: &str, rows: usize, cols: usize) {
+        let mut rnd = vnni::tests::uniform(11);
+        let wf: Vec<f32> = (0..rows * cols).map(|_| rnd()).collect();
+        let w = vnni::tests::quantize_rows::<V>(&wf, rows, cols);
+        let pairs = cols.div_ceil(64);
+        for m in [1, 4, 8, 16] {
+            let x: Vec<f32> = (0..m * cols).map(|_| rnd()).collect();
+            let mut xq = vec![QPair::ZERO; m * pairs];
+            let mut sink = 0f32;
+            let (mut batched, mut solo) = (f64::MAX, f64::MAX);
+            // SAFETY: callers checked VNNI; sizes match.
+            unsafe {
+                for j in 0..m {
+                    vnni::quantize_into::<V>(&x[j * cols..(j + 1) * cols], &mut xq[j * pairs..(j + 1) * pairs]);
+                }
+                for _ in 0..30 {
+                    let t = std::time::Instant::now();
+                    gemv_tokens::<V>(&w, cols, &xq, m, 0..rows, &mut |_, _, v| sink += v);
+                    batched = batched.min(t.elapsed().as_secs_f64());
+                    let t = std::time::Instant::now();
+                    for j in 0..m {
+                        vnni::gemv::<V>(&w, cols, &xq[j * pairs..(j + 1) * pairs], 0..rows, &mut |_, v| sink += v);
+                    }
+                    solo = solo.min(t.elapsed().as_secs_f64());
+                }
+            }
+            // The prefill GEMM (`vnni_gemm`, other summation order) on the same tokens.
+            let xg = super::super::vnni_gemm::quantize_tokens::<V>(&x, m, cols);
+            let mut y = vec![0f32; m * rows];
+            let mut gemm = f64::MAX;
+            for _ in 0..30 {
+                let t = std::time::Instant::now();
+                // SAFETY: as above.
+                unsafe { super::super::vnni_gemm::gemm::<V>(&w, cols, &xg, m, 0..rows, y.as_mut_ptr(), rows) };
+                gemm = gemm.min(t.elapsed().as_secs_f64());
+            }
+            let gmac = (rows * cols * m) as f64 / 1e9;
+            eprintln!(
+                "{name} {rows}x{cols} m={m}: batched {:.1} GMAC/s, one by one {:.1}, prefill gemm {:.1} ({sink:.0} {})",
+                gmac / batched,
+                gmac / solo,
+                gmac / gemm,
+                y[0]
+            );
+        }
+    }
+
+    #[test]
+    #[ignore]
+    fn tokens_rate() {
+        if !available() {
+            return;
+        }
+        rate::<formats::Q4_1>("Q4_1", 3072, 576);
+        rate::<formats::Q8_0>("Q8_0", 3072, 576);
+        rate::<formats::Q4K>("Q4_K", 1792, 1024);
     }
 }

@@ -373,7 +373,8 @@ pub(super) unsafe fn pair_dot<V: Vnni>(w: *const u8, p: usize, two: bool, xp: &Q
 #[inline(always)]
 pub(super) unsafe fn loaded_pair_dot<V: Vnni>(wq: __m512i, dw: __m512, m: __m128, xp: &QPair, acc: &mut __m512, macc: &mut __m128) {
     let xq = _mm512_load_si512(xp.q.as_ptr() as *const _);
-    let corr = _mm512_load_si512(xp.corr.as_ptr() as *const _);
+    // Formats without an offset have a zero correction: no load (same sums).
+    let corr = if V::OFFSET == 0 { _mm512_setzero_si512() } else { _mm512_load_si512(xp.corr.as_ptr() as *const _) };
     let isum = _mm512_dpbusd_epi32(corr, wq, xq);
     let scale = _mm512_mul_ps(dw, _mm512_load_ps(xp.dx.as_ptr()));
     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);

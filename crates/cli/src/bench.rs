@@ -37,6 +37,9 @@ pub struct Args {
     /// their aggregate decode rate instead of one sequence's figures.
     #[arg(long, default_value_t = 1)]
     concurrency: usize,
+    /// With --concurrency: also decode each sequence alone and report how many tokens agree.
+    #[arg(long)]
+    check: bool,
     /// Tokens per engine step at most with --concurrency (see `ferrolm serve`).
     #[arg(long, default_value_t = ferrolm_engine::config::DEFAULT_MAX_BATCH_TOKENS)]
     max_batch_tokens: usize,
@@ -111,7 +114,7 @@ pub fn run(args: Args) -> CliResult<()> {
 /// `--concurrency N`: median of the runs of `bench_batch::run`.
 fn concurrent(args: &Args, model: &dyn CausalLm, prompt: &[u32]) -> CliResult<()> {
     let n = args.concurrency;
-    let (mut decode, mut first, mut steps) = (Vec::new(), Vec::new(), 0);
+    let (mut decode, mut first, mut steps, mut tokens) = (Vec::new(), Vec::new(), 0, Vec::new());
     for run in 0..=args.runs {
         let r = crate::bench_batch::run(model, prompt, n, args.decode_tokens, args.max_batch_tokens).map_err(CliError::runtime)?;
         if run > 0 {
@@ -119,7 +122,12 @@ fn concurrent(args: &Args, model: &dyn CausalLm, prompt: &[u32]) -> CliResult<()
             first.push(r.last_first_token_ms);
             steps = r.decode_steps;
         }
+        tokens = r.tokens;
     }
+    let agree = match args.check {
+        true => Some(crate::bench_batch::agreement(model, prompt, &tokens).map_err(CliError::runtime)?),
+        false => None,
+    };
     let (d, f) = (median(&mut decode), median(&mut first));
     let rss = peak_rss_mb();
     if args.json {
@@ -127,11 +135,16 @@ fn concurrent(args: &Args, model: &dyn CausalLm, prompt: &[u32]) -> CliResult<()
             "concurrency": n, "prompt_tokens": prompt.len(), "decode_tokens": args.decode_tokens,
             "runs": args.runs, "decode_tps": d, "decode_runs": decode, "last_first_token_ms": f,
             "max_batch_tokens": args.max_batch_tokens, "peak_rss_mb": rss, "decode_steps": steps,
+            "agree_with_solo": agree, "device": format!("{:?}", model.device()),
             "threads": ferrolm_backend::cpu::threads::num_threads(),
         });
         println!("{obj}");
     } else {
         println!("{n} sequences of {} prompt tokens: decode {d:.1} tok/s in aggregate ({} tokens each), all first tokens by {f:.0} ms, median of {} (peak RSS {rss:.0} MB)", prompt.len(), args.decode_tokens, args.runs);
+        if let Some(a) = agree {
+            let full = a.iter().filter(|&&k| k == args.decode_tokens).count();
+            println!("agreement with each sequence alone: {full} of {n} identical; tokens agreeing from the start: {a:?}");
+        }
     }
     Ok(())
 }

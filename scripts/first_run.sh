@@ -61,13 +61,15 @@ URL = sys.argv[1] + "/v1/chat/completions"
 
 
 def haiku(a):
-    return len([line for line in a.splitlines() if line.strip()]) == 3
+    """Three lines, not one line three times."""
+    lines = [line.strip() for line in a.splitlines() if line.strip()]
+    return len(lines) == 3 and len(set(lines)) > 1
 
 
 CHECKS = [
     ("What is the capital of France?", "mentions Paris", lambda a: "paris" in a.lower()),
     ("What is 17 × 23?", "391", lambda a: re.search(r"(?<![\d,.])391(?![\d,])", a) is not None),
-    ("Write a haiku about the sea.", "three lines", haiku),
+    ("Write a haiku about the sea.", "three different lines", haiku),
     ("Write a one-line Python function that returns the square of a number.", "a def or a lambda",
      lambda a: "def " in a or "lambda" in a),
     ('Translate "good morning" to Spanish.', "Buenos días", lambda a: "buenos días" in a.lower()),

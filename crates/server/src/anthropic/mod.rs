@@ -9,6 +9,7 @@
 mod request;
 mod response;
 mod stream;
+mod tools;
 
 use crate::errors::{ApiError, ApiResult};
 use crate::protocol::chat::ChatRequest;
@@ -43,6 +44,7 @@ fn parse(state: &SharedState, body: &Map<String, Value>, count_only: bool) -> Ap
     let t = request::translate(body, count_only)?;
     let (common, mut chat) = chat::parse(state, &t.chat)?;
     chat.prefill = t.prefill;
+    chat.cap_max_tokens = true;
     Ok(Parsed { common, chat, no_output: t.no_output })
 }
 

@@ -13,8 +13,8 @@
 //! documents, server tools, MCP servers, code-execution containers, structured output) are
 //! refused with a 400.
 
+use super::tools;
 use crate::errors::{ApiError, ApiResult};
-use crate::protocol::tools::function;
 use serde_json::{json, Map, Value};
 
 /// The chat body to run and the prefill (a final assistant message's text), if any.
@@ -25,7 +25,7 @@ pub struct Translated {
     pub no_output: bool,
 }
 
-fn invalid(message: String) -> ApiError {
+pub(super) fn invalid(message: String) -> ApiError {
     ApiError::invalid(message, None)
 }
 
@@ -37,10 +37,10 @@ pub fn translate(body: &Map<String, Value>, count_only: bool) -> ApiResult<Trans
     messages.extend(turns);
     let mut chat = Map::new();
     chat.insert("messages".into(), Value::Array(messages));
-    if let Some(tools) = tools(body.get("tools"))? {
+    if let Some(tools) = tools::tools(body.get("tools"), &tools::referenced(body))? {
         chat.insert("tools".into(), tools);
     }
-    if let Some(choice) = tool_choice(body.get("tool_choice"))? {
+    if let Some(choice) = tools::tool_choice(body.get("tool_choice"))? {
         chat.insert("tool_choice".into(), choice);
     }
     if let Some(kw) = thinking(body.get("thinking"))? {
@@ -87,7 +87,7 @@ fn text_of(v: &Value, what: &str) -> ApiResult<String> {
     }
 }
 
-fn block_type(b: &Value) -> Option<&str> {
+pub(super) fn block_type(b: &Value) -> Option<&str> {
     b.get("type").and_then(Value::as_str)
 }
 
@@ -197,6 +197,11 @@ fn tool_result(b: &Value, at: &str) -> ApiResult<Value> {
     let id = id.ok_or_else(|| invalid(format!("{at}.tool_use_id: Field required")))?;
     let content = match b.get("content") {
         None | Some(Value::Null) => String::new(),
+        Some(Value::Array(blocks)) => {
+            // Tool search results name the deferred tools they load (`tools::referenced`).
+            let text: Vec<Value> = blocks.iter().map(tools::reference_as_text).collect();
+            text_of(&Value::Array(text), &format!("{at}.content"))?
+        }
         Some(v) => text_of(v, &format!("{at}.content"))?,
     };
     Ok(json!({"role": "tool", "tool_call_id": id, "content": content}))
@@ -236,50 +241,6 @@ fn tool_use(b: &Value, at: &str) -> ApiResult<Value> {
         _ => return Err(invalid(format!("{at}.input: Input should be a valid dictionary"))),
     };
     Ok(json!({"id": id, "type": "function", "function": {"name": name, "arguments": input}}))
-}
-
-/// Custom tools as function tools; server tools (`web_search_…`, `bash_…`…) run on Anthropic's
-/// side and cannot run here.
-fn tools(v: Option<&Value>) -> ApiResult<Option<Value>> {
-    let list = match v {
-        None | Some(Value::Null) => return Ok(None),
-        Some(Value::Array(l)) => l,
-        Some(_) => return Err(invalid("tools: Input should be a valid list".into())),
-    };
-    let mut out = Vec::with_capacity(list.len());
-    for (i, t) in list.iter().enumerate() {
-        let at = format!("tools.{i}");
-        if let Some(kind) = t.get("type").and_then(Value::as_str).filter(|k| *k != "custom") {
-            return Err(invalid(format!(
-                "{at}: tools of type '{kind}' run on Anthropic's servers and are not supported here"
-            )));
-        }
-        let name =
-            t.get("name").and_then(Value::as_str).ok_or_else(|| invalid(format!("{at}.name: Field required")))?;
-        let schema = match t.get("input_schema") {
-            Some(Value::Object(o)) => Value::Object(o.clone()),
-            _ => return Err(invalid(format!("{at}.input_schema: Field required"))),
-        };
-        out.push(json!({"type": "function", "function": function(name, t.get("description"), schema)}));
-    }
-    Ok(Some(Value::Array(out)))
-}
-
-/// `auto` / `any` / `tool` / `none` as chat's `auto` / `required` / a named function / `none`.
-fn tool_choice(v: Option<&Value>) -> ApiResult<Option<Value>> {
-    let Some(v) = v.filter(|v| !v.is_null()) else { return Ok(None) };
-    let choice = match v.get("type").and_then(Value::as_str) {
-        Some("auto") => json!("auto"),
-        Some("any") => json!("required"),
-        Some("none") => json!("none"),
-        Some("tool") => {
-            let name = v.get("name").and_then(Value::as_str);
-            let name = name.ok_or_else(|| invalid("tool_choice.name: Field required".into()))?;
-            json!({"type": "function", "function": {"name": name}})
-        }
-        _ => return Err(invalid("tool_choice.type: Input should be 'auto', 'any', 'tool' or 'none'".into())),
-    };
-    Ok(Some(choice))
 }
 
 /// `thinking: {type: enabled | adaptive | between_tools | disabled}` as the template's

@@ -17,6 +17,10 @@ pub struct ChatRequest {
     /// Text the answer continues from, appended after the rendered generation prompt
     /// (Anthropic's final assistant message, "prefill"); None for OpenAI chat, as in mlx-lm.
     pub prefill: Option<String>,
+    /// `max_tokens` is only an upper bound, lowered to what fits beside the prompt (Anthropic's
+    /// clients ask for what their own models allow: Claude Code sends 32,000 whatever the
+    /// context); false: a request beyond the context is a 400, as in mlx_lm.server.
+    pub cap_max_tokens: bool,
 }
 
 pub fn parse_chat(
@@ -28,7 +32,7 @@ pub fn parse_chat(
     let tools = parse_tools(body)?;
     let tool_specs = tools.iter().filter_map(ToolSpec::from_openai).collect();
     let template_kwargs = template_kwargs(body, server_args, has_thinking)?;
-    Ok(ChatRequest { messages, tools, tool_specs, template_kwargs, prefill: None })
+    Ok(ChatRequest { messages, tools, tool_specs, template_kwargs, prefill: None, cap_max_tokens: false })
 }
 
 fn parse_messages(body: &Map<String, Value>) -> ApiResult<Vec<Value>> {

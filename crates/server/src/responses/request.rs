@@ -6,8 +6,9 @@
 //! reasoning) → chat messages after the stored conversation of `previous_response_id`; flat
 //! function tools → chat tools; `max_output_tokens` → `max_tokens`; `reasoning.effort` →
 //! `reasoning_effort`. Tools that are not functions (web search, file search, Codex's
-//! `local_shell` or freeform `custom` tools) are not offered to the model, which cannot call
-//! them. Fields that would change the answer and are not implemented are refused with a 400.
+//! `local_shell`, freeform `custom` tools and `namespace` groups) are not offered to the model,
+//! which cannot call them. Fields that would change the answer and are not implemented are
+//! refused with a 400.
 
 use crate::errors::{ApiError, ApiResult};
 use crate::protocol::tools::function;
@@ -122,22 +123,23 @@ fn message(item: &Value, at: &str) -> ApiResult<Value> {
     Ok(json!({"role": role, "content": content}))
 }
 
-/// A string, or parts of type `input_text` / `output_text` / `text` / `refusal`, joined.
+/// A string, or parts of type `input_text` / `output_text` / `text` / `refusal` joined by
+/// newlines (Codex sends sections of its instructions as separate parts).
 fn text(v: Option<&Value>, at: &str) -> ApiResult<String> {
     match v {
         None | Some(Value::Null) => Ok(String::new()),
         Some(Value::String(s)) => Ok(s.clone()),
         Some(Value::Array(parts)) => {
-            let mut s = String::new();
+            let mut texts = Vec::with_capacity(parts.len());
             for (j, p) in parts.iter().enumerate() {
                 let kind = p.get("type").and_then(Value::as_str).unwrap_or_default();
                 let field = if kind == "refusal" { "refusal" } else { "text" };
                 match (kind, p.get(field).and_then(Value::as_str)) {
-                    ("input_text" | "output_text" | "text" | "refusal", Some(t)) => s.push_str(t),
+                    ("input_text" | "output_text" | "text" | "refusal", Some(t)) => texts.push(t),
                     _ => return Err(invalid(format!("{at}[{j}]: parts of type '{kind}' are not supported"), "input")),
                 }
             }
-            Ok(s)
+            Ok(texts.join("\n"))
         }
         Some(_) => Err(invalid(format!("{at} must be a string or a list of parts"), "input")),
     }

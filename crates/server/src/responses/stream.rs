@@ -240,6 +240,38 @@ mod tests {
     }
 
     #[test]
+    fn reasoning_then_text() {
+        let skeleton = resp::skeleton("resp_1", "m", &serde_json::Map::new());
+        let (first, mut enc) = ResponsesEncoder::start(skeleton, None);
+        let mut out = VecDeque::from(first);
+        let mut p = piece("", vec![], None);
+        p.delta.reasoning = "hmm".into();
+        enc.piece(p, &mut out);
+        let usage = Usage { prompt_tokens: 4, completion_tokens: 5, cached_tokens: 0 };
+        enc.piece(piece(" \nOK", vec![], Some(End::Finished { reason: "stop", usage, stop: None })), &mut out);
+        let frames: Vec<Bytes> = out.into();
+        assert_eq!(
+            names(&frames)[2..],
+            [
+                "response.output_item.added",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.completed"
+            ]
+        );
+        let last = std::str::from_utf8(frames.last().unwrap()).unwrap();
+        assert!(last.contains(r#""type":"reasoning_text","text":"hmm""#), "{last}");
+        assert!(last.contains(r#""output_index""#) == false);
+    }
+
+    #[test]
     fn text_then_call_event_chain() {
         let skeleton = resp::skeleton("resp_1", "m", &serde_json::Map::new());
         let (first, mut enc) = ResponsesEncoder::start(skeleton, None);

@@ -47,9 +47,11 @@ pub(crate) async fn prepare_parsed(
     let tool_specs = chat.tool_specs.clone();
     // A prefilled answer goes on from the prefill's last character: no space is trimmed.
     let trim_leading_space = chat.prefill.is_none();
+    let cap = chat.cap_max_tokens;
     let prompt = prompt::chat(state, chat).await?;
-    let budget = state.config.max_tokens;
-    let max_tokens = token_budget(prompt.ids.len(), common.max_tokens, budget, context, "messages")?;
+    let (budget, len) = (state.config.max_tokens, prompt.ids.len());
+    let requested = common.max_tokens.map(|n| if cap { n.min(context.saturating_sub(len).max(1)) } else { n });
+    let max_tokens = token_budget(len, requested, budget, context, "messages")?;
     let pipeline = PipelineConfig {
         stops: common.stop.clone(),
         reasoning: (state.think_tags.clone()).map(|(s, e)| (s, e, prompt.opens_reasoning)),

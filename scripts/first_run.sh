@@ -61,8 +61,8 @@ URL = sys.argv[1] + "/v1/chat/completions"
 
 
 def haiku(a):
-    """Three lines, not one line three times."""
-    lines = [line.strip() for line in a.splitlines() if line.strip()]
+    """Three lines, not one line three times (punctuation and case aside)."""
+    lines = [re.sub(r"[^\w\s]", "", line).strip().lower() for line in a.splitlines() if line.strip()]
     return len(lines) == 3 and len(set(lines)) > 1
 
 

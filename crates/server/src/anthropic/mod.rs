@@ -38,6 +38,7 @@ struct Parsed {
     chat: ChatRequest,
     /// `max_tokens: 0`: answer at once, generate nothing.
     no_output: bool,
+    hide_thinking: bool,
 }
 
 fn parse(state: &SharedState, body: &Map<String, Value>, count_only: bool) -> ApiResult<Parsed> {
@@ -45,7 +46,7 @@ fn parse(state: &SharedState, body: &Map<String, Value>, count_only: bool) -> Ap
     let (common, mut chat) = chat::parse(state, &t.chat)?;
     chat.prefill = t.prefill;
     chat.cap_max_tokens = true;
-    Ok(Parsed { common, chat, no_output: t.no_output })
+    Ok(Parsed { common, chat, no_output: t.no_output, hide_thinking: t.hide_thinking })
 }
 
 async fn run(state: &SharedState, body: &[u8], arrived: Instant) -> ApiResult<Response> {
@@ -56,12 +57,13 @@ async fn run(state: &SharedState, body: &[u8], arrived: Instant) -> ApiResult<Re
     if parsed.no_output {
         return without_output(state, parsed, &id).await;
     }
+    let hide_thinking = parsed.hide_thinking;
     let p = chat::prepare_parsed(state, parsed.common, parsed.chat).await?;
     let prompt_tokens = p.prompt.len();
     let stream = p.common.stream;
     let mut gen = launch(state, &body, &p.common, p.prompt, p.max_tokens, p.pipeline, arrived)?;
     if stream {
-        let (first, encoder) = stream::start(&id, model, prompt_tokens);
+        let (first, encoder) = stream::start(&id, model, prompt_tokens, hide_thinking);
         let keepalive = Duration::from_secs_f64(state.config.keepalive_secs);
         return Ok(crate::stream::sse(gen, encoder, vec![first], keepalive));
     }
@@ -71,7 +73,7 @@ async fn run(state: &SharedState, body: &[u8], arrived: Instant) -> ApiResult<Re
     let message = response::Message {
         id: &id,
         model,
-        thinking: &d.reasoning,
+        thinking: (!d.reasoning.is_empty()).then_some(if hide_thinking { "" } else { &d.reasoning }),
         text: &d.content,
         calls: &d.tool_calls,
         stop_reason: Some(stop_reason),
@@ -94,7 +96,7 @@ async fn without_output(state: &SharedState, parsed: Parsed, id: &str) -> ApiRes
     let message = response::Message {
         id,
         model,
-        thinking: "",
+        thinking: None,
         text: "",
         calls: &[],
         stop_reason: Some("max_tokens"),

@@ -23,6 +23,8 @@ pub struct Translated {
     pub prefill: Option<String>,
     /// `max_tokens: 0`: nothing is generated (the chat body asks for 1 token, never run).
     pub no_output: bool,
+    /// `thinking.display: "omitted"`: thinking blocks come back with their text redacted.
+    pub hide_thinking: bool,
 }
 
 pub(super) fn invalid(message: String) -> ApiError {
@@ -47,7 +49,8 @@ pub fn translate(body: &Map<String, Value>, count_only: bool) -> ApiResult<Trans
         chat.insert("chat_template_kwargs".into(), kw);
     }
     let no_output = sampling(body, count_only, &mut chat)?;
-    Ok(Translated { chat, prefill, no_output })
+    let display = body.get("thinking").and_then(|t| t.get("display")).and_then(Value::as_str);
+    Ok(Translated { chat, prefill, no_output, hide_thinking: display == Some("omitted") })
 }
 
 /// Fields whose meaning ferrolm does not implement: a clear 400 rather than a different answer.
@@ -331,16 +334,18 @@ mod tests {
 
     #[test]
     fn tools_choice_thinking_and_prefill() {
-        let t = run(json!({"max_tokens": 5, "thinking": {"type": "disabled"},
+        let t =
+            run(json!({"max_tokens": 5, "thinking": {"type": "enabled", "budget_tokens": 1024, "display": "omitted"},
             "tools": [{"name": "w", "description": "d", "input_schema": {"type": "object"}, "cache_control": {}}],
             "tool_choice": {"type": "tool", "name": "w"},
             "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]}))
-        .unwrap();
+            .unwrap();
         let f = &t.chat["tools"][0]["function"];
         assert_eq!(f, &json!({"name": "w", "description": "d", "parameters": {"type": "object"}}));
         assert_eq!(f.as_object().unwrap().keys().collect::<Vec<_>>(), ["name", "description", "parameters"]);
         assert_eq!(t.chat["tool_choice"], json!({"type": "function", "function": {"name": "w"}}));
-        assert_eq!(t.chat["chat_template_kwargs"], json!({"enable_thinking": false}));
+        assert_eq!(t.chat["chat_template_kwargs"], json!({"enable_thinking": true}));
+        assert!(t.hide_thinking);
         assert_eq!(t.prefill.as_deref(), Some("The answer is"));
         assert_eq!(t.chat["messages"].as_array().unwrap().len(), 1);
         let any = run(
@@ -362,7 +367,7 @@ mod tests {
         assert_eq!(m[0], json!({"role": "user", "content": "a\nb"}));
         assert_eq!(m[1]["tool_calls"].as_array().unwrap().len(), 2);
         assert_eq!(m.len(), 4);
-        assert!(t.no_output);
+        assert!(t.no_output && !t.hide_thinking);
         assert_eq!(t.chat["max_tokens"], 1);
     }
 

@@ -61,7 +61,9 @@ pub fn text_block(text: &str) -> Value {
 pub struct Message<'a> {
     pub id: &'a str,
     pub model: &'a str,
-    pub thinking: &'a str,
+    /// The reasoning; None: no thinking block (none, or redacted text for `display: omitted`
+    /// is given as Some("")).
+    pub thinking: Option<&'a str>,
     pub text: &'a str,
     pub calls: &'a [ToolCall],
     pub stop_reason: Option<&'a str>,
@@ -72,8 +74,8 @@ pub struct Message<'a> {
 impl Message<'_> {
     pub fn json(&self) -> ApiResult<Value> {
         let mut content = Vec::new();
-        if !self.thinking.is_empty() {
-            content.push(thinking_block(self.thinking));
+        if let Some(thinking) = self.thinking {
+            content.push(thinking_block(thinking));
         }
         if !self.text.trim().is_empty() {
             content.push(text_block(self.text));
@@ -115,7 +117,7 @@ mod tests {
         let m = Message {
             id: "msg_01x",
             model: "m",
-            thinking: "",
+            thinking: None,
             text: " \n",
             calls: &calls,
             stop_reason: Some("tool_use"),

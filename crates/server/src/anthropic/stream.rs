@@ -31,22 +31,24 @@ pub struct AnthropicEncoder {
     pinged: bool,
     /// Whitespace held until a text block has something else to show.
     held: String,
+    /// `thinking.display: "omitted"`: thinking blocks open and close with no text.
+    hide_thinking: bool,
 }
 
 /// The `message_start` frame and the encoder for the rest.
-pub fn start(id: &str, model: &str, prompt_tokens: usize) -> (Bytes, AnthropicEncoder) {
+pub fn start(id: &str, model: &str, prompt_tokens: usize, hide_thinking: bool) -> (Bytes, AnthropicEncoder) {
     let usage = resp::usage(&Usage { prompt_tokens, completion_tokens: 0, cached_tokens: 0 });
     let empty =
-        Message { id, model, thinking: "", text: "", calls: &[], stop_reason: None, stop_sequence: None, usage };
+        Message { id, model, thinking: None, text: "", calls: &[], stop_reason: None, stop_sequence: None, usage };
     // An empty message has no tool input to fail on.
     let message = empty.json().unwrap_or_default();
     let first = event("message_start", &json!({"type": "message_start", "message": message}));
-    (first, AnthropicEncoder { index: 0, open: None, pinged: false, held: String::new() })
+    (first, AnthropicEncoder { index: 0, open: None, pinged: false, held: String::new(), hide_thinking })
 }
 
 /// The whole stream of a request that generates nothing (`max_tokens: 0`).
 pub fn without_output(id: &str, model: &str, prompt_tokens: usize) -> Vec<Bytes> {
-    let (first, mut encoder) = start(id, model, prompt_tokens);
+    let (first, mut encoder) = start(id, model, prompt_tokens, false);
     let mut out = VecDeque::from([first]);
     let usage = Usage { prompt_tokens, completion_tokens: 0, cached_tokens: 0 };
     encoder.finish("length", usage, None, &mut out);
@@ -58,7 +60,9 @@ impl Encoder for AnthropicEncoder {
         let d = piece.delta;
         if !d.reasoning.is_empty() {
             self.open_block(Open::Thinking, out);
-            self.delta(json!({"type": "thinking_delta", "thinking": d.reasoning}), out);
+            if !self.hide_thinking {
+                self.delta(json!({"type": "thinking_delta", "thinking": d.reasoning}), out);
+            }
         }
         if !d.content.is_empty() {
             self.text(&d.content, out);
@@ -184,7 +188,7 @@ mod tests {
 
     #[test]
     fn event_order_with_thinking_text_and_a_tool() {
-        let (first, mut enc) = start("msg_01x", "m", 5);
+        let (first, mut enc) = start("msg_01x", "m", 5, false);
         let mut out = VecDeque::from([first]);
         enc.piece(piece("hm", "", vec![], None), &mut out);
         enc.piece(piece("", "\n", vec![], None), &mut out);
@@ -216,5 +220,17 @@ mod tests {
         let json_delta = std::str::from_utf8(&out[9]).unwrap();
         assert!(json_delta.contains(r#""partial_json":"{\"a\":1}""#), "{json_delta}");
         assert!(std::str::from_utf8(&out[11]).unwrap().contains(r#""stop_reason":"tool_use""#));
+    }
+
+    #[test]
+    fn omitted_thinking_is_an_empty_block() {
+        let (first, mut enc) = start("msg_01x", "m", 5, true);
+        let mut out = VecDeque::from([first]);
+        enc.piece(piece("secret", "", vec![], None), &mut out);
+        let usage = Usage { prompt_tokens: 5, completion_tokens: 3, cached_tokens: 0 };
+        enc.piece(piece("", "Hi", vec![], Some(End::Finished { reason: "stop", usage, stop: None })), &mut out);
+        let names = names(&out);
+        assert_eq!(names[1..5], ["content_block_start", "ping", "content_block_stop", "content_block_start"]);
+        assert!(out.iter().all(|f| !std::str::from_utf8(f).unwrap().contains("secret")));
     }
 }

@@ -126,18 +126,25 @@ impl ApiError {
     }
 
     pub fn into_anthropic_response(self) -> Response {
-        (self.status, axum::Json(self.anthropic_body())).into_response()
+        let body = self.anthropic_body();
+        self.respond(body)
     }
-}
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let mut response = (self.status, axum::Json(self.body())).into_response();
+    /// The response with `body`; a full queue says when to retry, in either shape.
+    fn respond(self, body: Value) -> Response {
+        let mut response = (self.status, axum::Json(body)).into_response();
         // A full queue drains within seconds: tell clients (and SDKs' retry logic) when to retry.
         if self.status == StatusCode::TOO_MANY_REQUESTS {
             response.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
         }
         response
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = self.body();
+        self.respond(body)
     }
 }
 
@@ -173,5 +180,8 @@ mod tests {
         assert_eq!(ApiError::queue_full().anthropic_body()["error"]["type"], "rate_limit_error");
         assert_eq!(ApiError::not_found("x").anthropic_body()["error"]["type"], "not_found_error");
         assert_eq!(ApiError::unavailable("x").anthropic_body()["error"]["type"], "overloaded_error");
+        let full = ApiError::queue_full().into_anthropic_response();
+        assert_eq!(full.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(full.headers()[axum::http::header::RETRY_AFTER], "1");
     }
 }

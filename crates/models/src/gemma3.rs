@@ -321,7 +321,7 @@ impl CausalLm for Gemma3 {
             let h = layer.mlp.forward(&layer.ffn_norm.forward(&x)?, rows.decode_rows)?;
             x = (x + layer.post_ffn_norm.forward(&h)?)?;
         }
-        self.norm.forward(&rows.decode_part(&x)?)
+        rows.decode_part(&x, |h| self.norm.forward(h))
     }
 
     fn project_logits(&self, hidden: &Tensor) -> Result<Tensor> {

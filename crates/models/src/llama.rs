@@ -273,7 +273,7 @@ impl CausalLm for Llama {
             let h = layer.mlp.forward(&layer.ffn_norm.forward(&x)?, rows.decode_rows)?;
             x = (x + h)?;
         }
-        self.norm.forward(&rows.decode_part(&x)?)
+        rows.decode_part(&x, |h| self.norm.forward(h))
     }
 
     fn project_logits(&self, hidden: &Tensor) -> Result<Tensor> {

@@ -228,7 +228,7 @@ impl CausalLm for TensorParallelLlama {
             }
             x = (x + self.reduce.sum(parts)?)?;
         }
-        self.norm.forward(&rows.decode_part(&x)?)
+        rows.decode_part(&x, |h| self.norm.forward(h))
     }
 
     fn project_logits(&self, hidden: &Tensor) -> Result<Tensor> {

@@ -16,10 +16,10 @@ use super::x86::Dq16;
 use std::arch::x86_64::*;
 
 /// Tokens per pass over a row pair.
-pub const GROUP: usize = 4;
+pub const GROUP: usize = 8;
 
 /// Rows per pass.
-const ROWS: usize = 2;
+const ROWS: usize = 1;
 
 /// y(token, row) = W[row] · x_token for `m` tokens and rows `rows`, 8-bit activations `xq`
 /// (`m` tokens of `cols.div_ceil(64)` pairs, token-major), bit-identical to `vnni::gemv` per
@@ -35,32 +35,32 @@ pub unsafe fn gemv_tokens<V: Vnni>(w: &[u8], cols: usize, xq: &[QPair], m: usize
     let pairs = cols.div_ceil(64);
     let shape = Shape { row_bytes, pairs, odd: cols % 64 == 32 };
     assert!(w.len() >= rows.end * row_bytes && xq.len() == m * pairs);
-    let mut r = rows.start;
-    while r < rows.end {
-        let nr = (rows.end - r).min(ROWS);
+    // Blocks of rows, each block's weights reused by every token group while they are in L1,
+    // and a token group's activations by every row of the block.
+    for block in (rows.start..rows.end).step_by(ROW_BLOCK) {
+        let block_end = (block + ROW_BLOCK).min(rows.end);
         let mut j = 0;
         while j < m {
             let nt = (m - j).min(GROUP);
-            let (wr, xj) = (w.as_ptr().add(r * row_bytes), xq.as_ptr().add(j * pairs));
-            let out = match nr {
-                ROWS => int8_group::<V, ROWS>(nt, wr, xj, &shape),
-                _ => pad_rows(int8_group::<V, 1>(nt, wr, xj, &shape)),
-            };
-            for (i, row) in out.iter().take(nr).enumerate() {
-                for (g, v) in row.iter().take(nt).enumerate() {
-                    y(j + g, r + i, *v);
+            let mut r = block;
+            while r < block_end {
+                let nr = (block_end - r).min(ROWS);
+                let (wr, xj) = (w.as_ptr().add(r * row_bytes), xq.as_ptr().add(j * pairs));
+                let out = int8_group::<V, ROWS>(nt, wr, xj, &shape);
+                for (i, row) in out.iter().take(nr).enumerate() {
+                    for (g, v) in row.iter().take(nt).enumerate() {
+                        y(j + g, r + i, *v);
+                    }
                 }
+                r += nr;
             }
             j += nt;
         }
-        r += nr;
     }
 }
 
-/// One row's outputs as a row pair's (the second row unused).
-fn pad_rows(v: [[f32; GROUP]; 1]) -> [[f32; GROUP]; ROWS] {
-    std::array::from_fn(|i| if i == 0 { v[0] } else { [0.0; GROUP] })
-}
+/// Rows whose weights stay cached while every token group passes over them.
+const ROW_BLOCK: usize = 16;
 
 struct Shape {
     row_bytes: usize,
@@ -79,7 +79,11 @@ unsafe fn int8_group<V: Vnni, const R: usize>(nt: usize, w: *const u8, xq: *cons
         1 => widen(int8_rows::<V, R, 1>(w, xq, s)),
         2 => widen(int8_rows::<V, R, 2>(w, xq, s)),
         3 => widen(int8_rows::<V, R, 3>(w, xq, s)),
-        _ => widen(int8_rows::<V, R, 4>(w, xq, s)),
+        4 => widen(int8_rows::<V, R, 4>(w, xq, s)),
+        5 => widen(int8_rows::<V, R, 5>(w, xq, s)),
+        6 => widen(int8_rows::<V, R, 6>(w, xq, s)),
+        7 => widen(int8_rows::<V, R, 7>(w, xq, s)),
+        _ => widen(int8_rows::<V, R, 8>(w, xq, s)),
     }
 }
 
@@ -164,10 +168,7 @@ pub unsafe fn gemv_tokens_f32<B: Dq16>(w: &[u8], cols: usize, x: &[f32], m: usiz
         while j < m {
             let nt = (m - j).min(GROUP);
             let (wr, xj) = (w.as_ptr().add(r * row_bytes), x.as_ptr().add(j * cols));
-            let out = match nr {
-                ROWS => f32_group::<B, ROWS>(nt, wr, row_bytes, xj, cols),
-                _ => pad_rows(f32_group::<B, 1>(nt, wr, row_bytes, xj, cols)),
-            };
+            let out = f32_group::<B, ROWS>(nt, wr, row_bytes, xj, cols);
             for (i, row) in out.iter().take(nr).enumerate() {
                 for (g, v) in row.iter().take(nt).enumerate() {
                     y(j + g, r + i, *v);
@@ -188,7 +189,11 @@ unsafe fn f32_group<B: Dq16, const R: usize>(nt: usize, w: *const u8, row_bytes:
         1 => widen(f32_rows::<B, R, 1>(w, row_bytes, x, cols)),
         2 => widen(f32_rows::<B, R, 2>(w, row_bytes, x, cols)),
         3 => widen(f32_rows::<B, R, 3>(w, row_bytes, x, cols)),
-        _ => widen(f32_rows::<B, R, 4>(w, row_bytes, x, cols)),
+        4 => widen(f32_rows::<B, R, 4>(w, row_bytes, x, cols)),
+        5 => widen(f32_rows::<B, R, 5>(w, row_bytes, x, cols)),
+        6 => widen(f32_rows::<B, R, 6>(w, row_bytes, x, cols)),
+        7 => widen(f32_rows::<B, R, 7>(w, row_bytes, x, cols)),
+        _ => widen(f32_rows::<B, R, 8>(w, row_bytes, x, cols)),
     }
 }
 

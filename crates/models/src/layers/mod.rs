@@ -58,11 +58,12 @@ impl BatchRows {
         batch.iter().flat_map(|s| s.tokens.iter().copied()).collect()
     }
 
-    /// The decode rows of the final hidden states `x` (`[0, hidden]` when there are none).
-    pub fn decode_part(&self, x: &Tensor) -> Result<Tensor> {
+    /// `finish` (the final norm) of the decode rows of the hidden states `x`; `[0, hidden]`
+    /// when there are none (no kernel runs on an empty tensor: a CUDA launch of no blocks fails).
+    pub fn decode_part(&self, x: &Tensor, finish: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
         match self.decode_rows {
             0 => Tensor::zeros((0, x.dim(1)?), x.dtype(), x.device()),
-            n => x.narrow(0, 0, n),
+            n => finish(&x.narrow(0, 0, n)?),
         }
     }
 }

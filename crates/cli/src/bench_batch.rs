@@ -48,7 +48,7 @@ pub fn prompt_of(prompt: &[u32], i: usize) -> Vec<u32> {
 
 /// `n` sequences (`prompt_of(prompt, i)`), `decode` greedy tokens each, admitted together.
 pub fn run(model: &dyn CausalLm, prompt: &[u32], n: usize, decode: usize, max_batch_tokens: usize) -> candle_core::Result<BatchFigures> {
-    let cfg = BatchConfig { max_batch_tokens, max_seqs: n, ..Default::default() };
+    let cfg = BatchConfig { max_batch_tokens, max_seqs: n, prompt_cache_bytes: 0, ..Default::default() };
     let mut batch = Batch::new(model, cfg, Default::default());
     let counts: Vec<Counter> = (0..n).map(|_| Rc::new(RefCell::new((Vec::new(), None)))).collect();
     let sampler_cfg = SamplerConfig { vocab_size: model.info().vocab_size, ..Default::default() };

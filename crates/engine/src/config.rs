@@ -48,6 +48,9 @@ pub struct BatchConfig {
     pub max_seqs: usize,
     /// KV-cache memory the running sequences may hold, in bytes.
     pub kv_budget_bytes: usize,
+    /// Memory of the prompt cache (prefixes of finished requests, reused by later ones); 0 turns
+    /// it off.
+    pub prompt_cache_bytes: usize,
 }
 
 /// Decode rows and prompt chunks per step by default. Measured on the 2-core dev machine
@@ -64,8 +67,14 @@ impl Default for BatchConfig {
             max_batch_tokens: DEFAULT_MAX_BATCH_TOKENS,
             max_seqs: DEFAULT_MAX_SEQS,
             kv_budget_bytes: default_kv_budget(),
+            prompt_cache_bytes: default_prompt_cache(),
         }
     }
+}
+
+/// An eighth of the memory the system reports available, at most 2 GiB.
+pub fn default_prompt_cache() -> usize {
+    (default_kv_budget() / 4).min(2 << 30)
 }
 
 /// Half the memory the system reports available (`MemAvailable`), else 4 GiB.

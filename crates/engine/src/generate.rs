@@ -68,7 +68,7 @@ pub fn generate(
         sink: Box::new(CallbackSink { on_token, outcome: outcome.clone() }),
     };
     // One sequence: the whole prompt chunk fits a step, as before batching.
-    let cfg = BatchConfig { max_batch_tokens: input.params.prefill_chunk.max(1), max_seqs: 1, kv_budget_bytes: usize::MAX };
+    let cfg = BatchConfig { max_batch_tokens: input.params.prefill_chunk.max(1), max_seqs: 1, kv_budget_bytes: usize::MAX, prompt_cache_bytes: 0 };
     let mut batch = Batch::new(model, cfg, input.graph);
     batch.add(request, std::mem::replace(cache, SeqCache::new(Vec::new())));
     while !batch.is_idle() {

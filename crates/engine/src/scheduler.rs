@@ -118,7 +118,7 @@ mod tests {
     use super::*;
 
     fn cfg(max_batch_tokens: usize, max_seqs: usize) -> BatchConfig {
-        BatchConfig { max_batch_tokens, max_seqs, kv_budget_bytes: 0 }
+        BatchConfig { max_batch_tokens, max_seqs, kv_budget_bytes: 0, prompt_cache_bytes: 0 }
     }
 
     fn seq(want: Want, kv_tokens: usize) -> SeqView {

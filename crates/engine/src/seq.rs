@@ -124,6 +124,15 @@ impl<'a> Sequence<'a> {
         self.started.get_or_insert_with(Instant::now);
     }
 
+    /// The tokens whose keys and values prompt rows computed (the prompt but its last token,
+    /// or after a preemption every token recomputed, or as much of them as was forwarded),
+    /// unless the sequence failed: what the prompt cache may keep.
+    pub fn prompt_rows(&self) -> Option<Vec<TokenId>> {
+        // A prompt cut short (cancelled mid-prompt) is kept too: its rows are as valid.
+        let n = self.prefill_len.saturating_sub(1).min(self.cache.offset());
+        (self.failure.is_none() && n > 0).then(|| self.tokens[..n].to_vec())
+    }
+
     /// Whether its followers can start: its prompt but the last token is in the cache.
     pub fn ready_to_fork(&self) -> bool {
         !self.followers.is_empty() && self.want() == Want::Decode

@@ -7,7 +7,7 @@ use crate::config::{BatchConfig, GraphSettings};
 use crate::graph_decode::{use_static_decode, GraphDecoder};
 use crate::scheduler::{self, Plan, SeqView, Want};
 use crate::seq::{SeqRequest, Sequence};
-use ferrolm_kv::SeqCache;
+use ferrolm_kv::{PromptCache, PromptCacheStats, SeqCache};
 use ferrolm_models::{CausalLm, SeqInput};
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
@@ -23,6 +23,8 @@ pub struct Batch<'a> {
     waiting: VecDeque<Sequence<'a>>,
     /// The captured greedy step, kept across requests (valid while a cache's buffers stay).
     decoder: Option<GraphDecoder>,
+    /// Prompt prefixes of finished sequences, reused by new ones (`--prompt-cache-bytes`).
+    prompt_cache: Option<PromptCache>,
     next_id: u64,
 }
 
@@ -40,7 +42,13 @@ pub struct StepReport {
 impl<'a> Batch<'a> {
     pub fn new(model: &'a dyn CausalLm, cfg: BatchConfig, graph: GraphSettings) -> Self {
         let kv_budget = scheduler::kv_budget_tokens(&cfg, model.make_cache().bytes_per_token());
-        Self { model, cfg, graph, kv_budget, running: Vec::new(), waiting: VecDeque::new(), decoder: None, next_id: 0 }
+        let prompt_cache = (cfg.prompt_cache_bytes > 0).then(|| PromptCache::new(cfg.prompt_cache_bytes));
+        Self { model, cfg, graph, kv_budget, running: Vec::new(), waiting: VecDeque::new(), decoder: None, prompt_cache, next_id: 0 }
+    }
+
+    /// The prompt cache's counters (None when it is off).
+    pub fn prompt_cache_stats(&self) -> Option<PromptCacheStats> {
+        self.prompt_cache.as_ref().map(PromptCache::stats)
     }
 
     /// The cache tokens the running sequences may hold together.
@@ -73,11 +81,25 @@ impl<'a> Batch<'a> {
     fn sequence(&mut self, req: SeqRequest<'a>, cache: SeqCache) -> Sequence<'a> {
         let id = self.next_id;
         self.next_id += 1;
+        let cache = self.cached_prefix(&req.prompt, cache);
         let mut seq = Sequence::new(id, req, cache);
         if seq.max_kv_tokens() > self.kv_budget {
             seq.fail(format!("the request needs {} cache tokens, more than the KV budget of {}", seq.max_kv_tokens(), self.kv_budget));
         }
         seq
+    }
+
+    /// `cache`, or when it is empty a copy of the longest prefix of `prompt` in the prompt cache.
+    fn cached_prefix(&mut self, prompt: &[u32], cache: SeqCache) -> SeqCache {
+        let Some(pc) = self.prompt_cache.as_mut().filter(|_| cache.offset() == 0) else { return cache };
+        match pc.take(prompt, cache) {
+            Ok(Some(hit)) => hit.cache,
+            Ok(None) => self.model.make_cache(),
+            Err(e) => {
+                tracing::warn!("prompt cache: a hit could not be copied ({e}); computing the prompt");
+                self.model.make_cache()
+            }
+        }
     }
 
     pub fn is_idle(&self) -> bool {
@@ -133,9 +155,22 @@ impl<'a> Batch<'a> {
         let (done_waiting, waiting): (Vec<_>, Vec<_>) = self.waiting.drain(..).partition(|s| s.is_done());
         self.waiting = waiting.into();
         for seq in done.into_iter().chain(done_waiting) {
-            let id = seq.id;
-            report.retired.push((id, seq.retire()));
+            let (id, prompt_rows) = (seq.id, seq.prompt_rows());
+            let cache = seq.retire();
+            report.retired.push((id, self.keep_prompt(prompt_rows, cache)));
         }
+    }
+
+    /// Puts the keys and values of a finished sequence's prompt rows into the prompt cache (they
+    /// continue bit for bit as an uncached prompt would); returns the cache when it is not kept.
+    fn keep_prompt(&mut self, prompt_rows: Option<Vec<u32>>, mut cache: SeqCache) -> SeqCache {
+        let (Some(pc), Some(tokens)) = (self.prompt_cache.as_mut(), prompt_rows) else { return cache };
+        let extra = cache.offset().saturating_sub(tokens.len());
+        if tokens.is_empty() || cache.offset() < tokens.len() || cache.trim(extra) != extra {
+            return cache;
+        }
+        pc.put(tokens, cache);
+        self.model.make_cache()
     }
 
     fn admit(&mut self) {

@@ -117,7 +117,7 @@ fn cases(model: &dyn CausalLm, n: usize) -> Vec<Case> {
 fn check_equal_to_solo(model: &dyn CausalLm, n: usize, stagger: usize, max_batch_tokens: usize) {
     let cases = cases(model, n);
     let joins: Vec<usize> = (0..n).map(|i| i * stagger).collect();
-    let cfg = BatchConfig { max_batch_tokens, max_seqs: 64, kv_budget_bytes: 1 << 30 };
+    let cfg = BatchConfig { max_batch_tokens, max_seqs: 64, kv_budget_bytes: 1 << 30, prompt_cache_bytes: 0 };
     let (records, max_running) = batched(model, &cases, &joins, cfg);
     assert!(n == 1 || max_running > 1, "the sequences never ran together");
     for (i, (c, r)) in cases.iter().zip(&records).enumerate() {
@@ -152,7 +152,7 @@ fn gemma3_batched_sequences_equal_their_solo_runs() {
         .chain([long])
         .map(|p| Case { prompt: p.prompt_ids.clone(), max_tokens: 10, sampling: SamplingParams { logprobs: Some(3), ..Default::default() } })
         .collect();
-    let cfg = BatchConfig { max_batch_tokens: 300, max_seqs: 8, kv_budget_bytes: 1 << 30 };
+    let cfg = BatchConfig { max_batch_tokens: 300, max_seqs: 8, kv_budget_bytes: 1 << 30, prompt_cache_bytes: 0 };
     let (records, _) = batched(model.as_ref(), &cases, &[0, 0, 3, 5], cfg);
     for (i, (c, r)) in cases.iter().zip(&records).enumerate() {
         assert!(r.borrow().trace == solo(model.as_ref(), c), "gemma3: sequence {i} differs from its solo run");
@@ -167,7 +167,7 @@ fn cancellation_mid_prompt_leaves_at_the_next_step() {
     let model = model.as_ref();
     let c = cases(model, 2);
     let long: Vec<u32> = c[0].prompt.iter().cycle().take(600).copied().collect();
-    let cfg = BatchConfig { max_batch_tokens: 64, max_seqs: 8, kv_budget_bytes: 1 << 30 };
+    let cfg = BatchConfig { max_batch_tokens: 64, max_seqs: 8, kv_budget_bytes: 1 << 30, prompt_cache_bytes: 0 };
     let mut batch = Batch::new(model, cfg, Default::default());
     let cancel = CancelToken::new();
     let (a, b) = (Rc::new(RefCell::new(Recorded::default())), Rc::new(RefCell::new(Recorded::default())));
@@ -210,7 +210,7 @@ fn preempted_sequences_complete() {
     let per_token = model.make_cache().bytes_per_token();
     let longest = cases.iter().map(|c| c.prompt.len() + c.max_tokens).max().unwrap();
     let budget = per_token * (longest + 40);
-    let cfg = BatchConfig { max_batch_tokens: 64, max_seqs: 8, kv_budget_bytes: budget };
+    let cfg = BatchConfig { max_batch_tokens: 64, max_seqs: 8, kv_budget_bytes: budget, prompt_cache_bytes: 0 };
     let mut batch = Batch::new(model, cfg, Default::default());
     let records: Vec<_> = cases.iter().map(|_| Rc::new(RefCell::new(Recorded::default()))).collect();
     for (c, r) in cases.iter().zip(&records) {
@@ -250,7 +250,7 @@ fn choices_of_one_prompt_share_the_prefill_and_equal_their_solo_runs() {
             sampling: SamplingParams { temperature: 1.0, seed: Some(7 + i), logprobs: Some(2), ..Default::default() },
         })
         .collect();
-    let cfg = BatchConfig { max_batch_tokens: 32, max_seqs: 8, kv_budget_bytes: 1 << 30 };
+    let cfg = BatchConfig { max_batch_tokens: 32, max_seqs: 8, kv_budget_bytes: 1 << 30, prompt_cache_bytes: 0 };
     let mut batch = Batch::new(model, cfg, Default::default());
     let records: Vec<_> = choices.iter().map(|_| Rc::new(RefCell::new(Recorded::default()))).collect();
     let reqs = choices

@@ -2,10 +2,12 @@
 //! (the engine) owns the caches.
 
 mod plain;
+mod prefix;
 mod rotating;
 mod seq;
 
 pub use plain::PlainCache;
+pub use prefix::{Hit, PromptCache, PromptCacheStats};
 pub use rotating::RotatingCache;
 pub use seq::SeqCache;
 
@@ -42,10 +44,21 @@ pub trait KvCache: Send {
     fn signature(&self) -> String;
     /// Bytes held per cached token (all heads, keys and values).
     fn bytes_per_token(&self) -> usize;
+
+    /// Bytes of memory the cache's buffers hold now.
+    fn bytes_held(&self) -> usize;
     /// The cached keys and values (temporal order) and the offset, for snapshots.
     fn state(&self) -> Result<Option<KvView>>;
     /// Restores a state produced by `state` of a cache with the same signature.
     fn load_state(&mut self, state: &KvView, offset: usize) -> Result<()>;
+
+    /// The state this cache had when it held only its first `n` tokens (for `load_state` with
+    /// offset `n`), if it still holds what that state needs; None otherwise (a sliding window
+    /// that has moved past it).
+    fn state_prefix(&self, n: usize) -> Result<Option<KvView>> {
+        let _ = n;
+        Ok(None)
+    }
 
     /// Whole buffers `[kv_heads, capacity, head_dim]` with room for at least `extra` tokens
     /// after `offset()`, for steps that write one token in place at a position held on the

@@ -96,6 +96,10 @@ impl KvCache for PlainCache {
         2 * self.kv_heads * self.head_dim * self.dtype.size_in_bytes()
     }
 
+    fn bytes_held(&self) -> usize {
+        self.capacity() * self.bytes_per_token()
+    }
+
     fn state(&self) -> Result<Option<KvView>> {
         self.view()
     }
@@ -107,6 +111,15 @@ impl KvCache for PlainCache {
         self.update_and_fetch(&state.k, &state.v)?;
         self.offset = offset;
         Ok(())
+    }
+
+    fn state_prefix(&self, n: usize) -> Result<Option<KvView>> {
+        match (&self.k, &self.v) {
+            (Some(k), Some(v)) if n <= self.offset => {
+                Ok(Some(KvView { k: k.narrow(1, 0, n)?, v: v.narrow(1, 0, n)?, key_start: 0 }))
+            }
+            _ => Ok(None),
+        }
     }
 
     fn static_buffers(&mut self, extra: usize) -> Result<Option<(Tensor, Tensor)>> {

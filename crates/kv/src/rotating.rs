@@ -185,8 +185,27 @@ impl KvCache for RotatingCache {
         2 * self.kv_heads * self.head_dim * self.dtype.size_in_bytes()
     }
 
+    fn bytes_held(&self) -> usize {
+        self.capacity() * self.bytes_per_token()
+    }
+
     fn state(&self) -> Result<Option<KvView>> {
         self.view()
+    }
+
+    /// Held tokens `[key_start, n)`, when they are what a cache of `n` tokens needs: every
+    /// token from 0 (nothing evicted yet), or at least the `window - 1` before `n`.
+    fn state_prefix(&self, n: usize) -> Result<Option<KvView>> {
+        let start = self.key_start();
+        let covers = n <= self.offset && (start == 0 || n >= start + self.window - 1);
+        match (&self.k, &self.v) {
+            (Some(k), Some(v)) if covers && n > start => Ok(Some(KvView {
+                k: k.narrow(1, 0, n - start)?,
+                v: v.narrow(1, 0, n - start)?,
+                key_start: start,
+            })),
+            _ => Ok(None),
+        }
     }
 
     /// `state.k` holds the newest `n` tokens of a sequence of `offset` tokens (`n <= offset`).

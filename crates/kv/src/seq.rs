@@ -80,6 +80,28 @@ impl SeqCache {
         Ok(empty)
     }
 
+    /// A copy of this cache's first `n` tokens in `empty` (fresh caches of the same model), or
+    /// None when some layer no longer holds what that prefix needs (see
+    /// [`KvCache::state_prefix`]).
+    pub fn fork_prefix(&self, n: usize, mut empty: SeqCache) -> candle_core::Result<Option<SeqCache>> {
+        if empty.layers.len() != self.layers.len() || n > self.offset() {
+            return Ok(None);
+        }
+        for (from, to) in self.layers.iter().zip(&mut empty.layers) {
+            match from.state_prefix(n)? {
+                Some(state) => to.load_state(&state, n)?,
+                None if n == 0 => {}
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(empty))
+    }
+
+    /// Bytes the layers' buffers hold (their capacity, not only the tokens in use).
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.bytes_held()).sum()
+    }
+
     /// The distinct signatures of the layers, e.g. `kv:plain` or `kv:rotating+kv:plain`.
     pub fn signature(&self) -> String {
         let mut sigs: Vec<String> = self.layers.iter().map(|l| l.signature()).collect();

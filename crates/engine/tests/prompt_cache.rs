@@ -1,0 +1,130 @@
+//! The prompt cache (RAM tier): a later request reuses the longest prefix an earlier one
+//! computed, and continues bit for bit as it would uncached (only prompt rows' keys and values
+//! are kept, and the prefill kernels do not depend on the chunking); batched requests sharing a
+//! prefix each take their own copy.
+
+mod common;
+
+use common::*;
+use ferrolm_core::{CancelToken, GenerateParams, GenerationStats, SamplingParams, TokenEvent};
+use ferrolm_engine::{generate, Batch, BatchConfig, Flow, GenerateInput, SeqRequest, Sink};
+use ferrolm_models::CausalLm;
+use ferrolm_sample::{Sampler, SamplerConfig};
+use std::cell::RefCell;
+use std::rc::Rc;
+
+type Trace = Vec<(u32, u32)>;
+
+#[derive(Default)]
+struct Out {
+    trace: Trace,
+    stats: Option<GenerationStats>,
+}
+
+struct Rec(Rc<RefCell<Out>>);
+
+impl Sink for Rec {
+    fn token(&mut self, e: TokenEvent) -> Flow {
+        self.0.borrow_mut().trace.push((e.token, e.logprobs.map_or(0, |l| l.logprob.to_bits())));
+        Flow::Continue
+    }
+
+    fn finish(&mut self, outcome: Result<GenerationStats, String>) {
+        self.0.borrow_mut().stats = Some(outcome.unwrap());
+    }
+}
+
+fn sampling() -> SamplingParams {
+    SamplingParams { logprobs: Some(3), ..Default::default() }
+}
+
+fn request(model: &dyn CausalLm, prompt: &[u32], max_tokens: usize, out: &Rc<RefCell<Out>>) -> SeqRequest<'static> {
+    let cfg = SamplerConfig { vocab_size: model.info().vocab_size, ..Default::default() };
+    SeqRequest {
+        prompt: prompt.to_vec(),
+        params: GenerateParams { max_tokens, sampling: sampling(), ..Default::default() },
+        eos_ids: vec![],
+        cancel: CancelToken::new(),
+        sampler: Box::new(Sampler::new(&sampling(), &cfg).unwrap()),
+        sink: Box::new(Rec(out.clone())),
+    }
+}
+
+fn uncached(model: &dyn CausalLm, prompt: &[u32], max_tokens: usize) -> Trace {
+    let cfg = SamplerConfig { vocab_size: model.info().vocab_size, ..Default::default() };
+    let params = GenerateParams { max_tokens, sampling: sampling(), ..Default::default() };
+    let input = GenerateInput { prompt, params: &params, eos_ids: &[], cancel: &CancelToken::new(), graph: Default::default() };
+    let mut trace = Trace::new();
+    generate(model, &mut model.make_cache(), input, &mut Sampler::new(&sampling(), &cfg).unwrap(), &mut |e| {
+        trace.push((e.token, e.logprobs.map_or(0, |l| l.logprob.to_bits())));
+        Flow::Continue
+    })
+    .unwrap();
+    trace
+}
+
+fn run(batch: &mut Batch<'_>) {
+    while !batch.is_idle() {
+        batch.step(&|| false);
+    }
+}
+
+fn check_second_turn(file: &str, fixture: &str) {
+    let Some(model) = open_model(file) else { return };
+    let model = model.as_ref();
+    let f = load_fixture(fixture);
+    let first: Vec<u32> = f.prompts.iter().max_by_key(|p| p.prompt_ids.len()).unwrap().prompt_ids.clone();
+    let cfg = BatchConfig { max_batch_tokens: 256, max_seqs: 8, kv_budget_bytes: 1 << 30, prompt_cache_bytes: 1 << 30 };
+    let mut batch = Batch::new(model, cfg, Default::default());
+    let turn1 = Rc::new(RefCell::new(Out::default()));
+    batch.add(request(model, &first, 12, &turn1), model.make_cache());
+    run(&mut batch);
+    // Turn 2: the first prompt, its answer and a new user message (some other prompt's tokens).
+    let answer: Vec<u32> = turn1.borrow().trace.iter().map(|t| t.0).collect();
+    let second: Vec<u32> = first.iter().chain(&answer).chain(&f.prompts[0].prompt_ids[1..]).copied().collect();
+    let turn2 = Rc::new(RefCell::new(Out::default()));
+    batch.add(request(model, &second, 10, &turn2), model.make_cache());
+    run(&mut batch);
+    let stats = turn2.borrow().stats.clone().unwrap();
+    assert_eq!(stats.cached_tokens, first.len() - 1, "{file}: the first prompt's rows are reused");
+    assert!(turn2.borrow().trace == uncached(model, &second, 10), "{file}: cached turn 2 differs from uncached");
+    assert_eq!(batch.prompt_cache_stats().unwrap().hits, 1);
+}
+
+#[test]
+fn a_second_turn_reuses_the_first_prompt_and_equals_the_uncached_run() {
+    check_second_turn("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct.Q4_1.json");
+}
+
+/// Gemma 3: its sliding-window layers hold only the window once the prompt is longer: a prefix
+/// is reused where every layer still holds what it needs.
+#[test]
+fn gemma3_second_turn_equals_the_uncached_run() {
+    check_second_turn("gemma-3-270m-Q4_K_M.gguf", "gemma-3-270m-Q4_K_M.json");
+}
+
+/// Two requests sharing a prefix and continuing differently, batched, each with its own copy:
+/// neither sees the other's keys and values.
+#[test]
+fn batched_requests_sharing_a_cached_prefix_do_not_touch_each_other() {
+    let Some(model) = open_model("SmolLM2-135M-Instruct.Q4_1.gguf") else { return };
+    let model = model.as_ref();
+    let f = load_fixture("SmolLM2-135M-Instruct.Q4_1.json");
+    let base: Vec<u32> = f.prompts.iter().max_by_key(|p| p.prompt_ids.len()).unwrap().prompt_ids.clone();
+    let cfg = BatchConfig { max_batch_tokens: 128, max_seqs: 8, kv_budget_bytes: 1 << 30, prompt_cache_bytes: 1 << 30 };
+    let mut batch = Batch::new(model, cfg, Default::default());
+    let warm = Rc::new(RefCell::new(Out::default()));
+    batch.add(request(model, &base, 2, &warm), model.make_cache());
+    run(&mut batch);
+    let prompts: Vec<Vec<u32>> =
+        (1..4).map(|i| base.iter().chain(&f.prompts[i].prompt_ids[1..]).copied().collect()).collect();
+    let outs: Vec<_> = prompts.iter().map(|_| Rc::new(RefCell::new(Out::default()))).collect();
+    for (p, o) in prompts.iter().zip(&outs) {
+        batch.add(request(model, p, 12, o), model.make_cache());
+    }
+    run(&mut batch);
+    for (i, (p, o)) in prompts.iter().zip(&outs).enumerate() {
+        assert_eq!(o.borrow().stats.as_ref().unwrap().cached_tokens, base.len() - 1, "request {i}");
+        assert!(o.borrow().trace == uncached(model, p, 12), "request {i} differs from its uncached run");
+    }
+}

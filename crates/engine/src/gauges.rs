@@ -17,9 +17,24 @@ pub struct EngineGauges {
     /// Per step: sequences in the forward, and rows forwarded.
     pub batch_size: Histogram,
     pub step_tokens: Histogram,
+    /// The prompt cache: entries, bytes, requests that reused a prefix or found none, prompt
+    /// tokens served from it.
+    pub prompt_cache_entries: AtomicUsize,
+    pub prompt_cache_bytes: AtomicUsize,
+    pub prompt_cache_hits: AtomicU64,
+    pub prompt_cache_misses: AtomicU64,
+    pub prompt_cache_hit_tokens: AtomicU64,
 }
 
 impl EngineGauges {
+    pub(crate) fn record_prompt_cache(&self, s: &ferrolm_kv::PromptCacheStats) {
+        self.prompt_cache_entries.store(s.entries, Ordering::Relaxed);
+        self.prompt_cache_bytes.store(s.bytes, Ordering::Relaxed);
+        self.prompt_cache_hits.store(s.hits, Ordering::Relaxed);
+        self.prompt_cache_misses.store(s.misses, Ordering::Relaxed);
+        self.prompt_cache_hit_tokens.store(s.hit_tokens, Ordering::Relaxed);
+    }
+
     pub(crate) fn record(&self, report: &StepReport, running: usize, waiting: usize) {
         self.running.store(running, Ordering::Relaxed);
         self.waiting.store(waiting, Ordering::Relaxed);

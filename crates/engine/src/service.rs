@@ -179,7 +179,12 @@ impl Worker {
             let gauges = &self.gauges;
             let stepped = std::panic::catch_unwind(AssertUnwindSafe(|| batch.step(&|| gauges.queued.load(Ordering::Relaxed) > 0)));
             match stepped {
-                Ok(report) => gauges.record(&report, batch.running(), batch.waiting()),
+                Ok(report) => {
+                    gauges.record(&report, batch.running(), batch.waiting());
+                    if let Some(s) = batch.prompt_cache_stats() {
+                        gauges.record_prompt_cache(&s);
+                    }
+                }
                 Err(panic) => {
                     let message = panic_message(panic);
                     tracing::error!("engine step panicked: {message}");

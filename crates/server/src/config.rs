@@ -28,6 +28,9 @@ pub struct ServerConfig {
     /// `--responses-store-size`: how many Responses API responses are kept in memory for
     /// `previous_response_id` (least recently used dropped first; 0 keeps none).
     pub responses_store_size: usize,
+    /// `--ctx-size`: the context window requests may use (prompt + completion), at most the
+    /// model's; None: the model's.
+    pub context_length: Option<usize>,
 }
 
 impl Default for ServerConfig {
@@ -42,6 +45,7 @@ impl Default for ServerConfig {
             keepalive_secs: 2.0,
             fault_injection: false,
             responses_store_size: 256,
+            context_length: None,
         }
     }
 }

@@ -60,23 +60,31 @@ pub struct Generation {
 }
 
 impl Generation {
-    /// Queues the generation; `arrived` is when the HTTP request came in (for TTFT).
-    pub fn start(state: &SharedState, spec: GenerationSpec, arrived: Instant) -> ApiResult<Self> {
-        let cancel = CancelToken::new();
-        let prompt_tokens = spec.prompt.len();
-        let request = Request { prompt: spec.prompt, params: spec.params, cancel: cancel.clone() };
-        let events = state.engine.submit(request).map_err(|e| match e {
+    /// Queues generations of one prompt (OpenAI's `n` choices, each with its own sampling
+    /// parameters): the engine computes the prompt once and copies its cache for the others.
+    /// `arrived` is when the HTTP request came in (for TTFT).
+    pub fn start_group(state: &SharedState, specs: Vec<GenerationSpec>, arrived: Instant) -> ApiResult<Vec<Self>> {
+        let prompt_tokens = specs.first().map_or(0, |s| s.prompt.len());
+        let mut requests = Vec::with_capacity(specs.len());
+        let mut rest = Vec::with_capacity(specs.len());
+        for spec in specs {
+            let cancel = CancelToken::new();
+            requests.push(Request { prompt: spec.prompt, params: spec.params, cancel: cancel.clone() });
+            rest.push((cancel, spec.pipeline, spec.logprobs));
+        }
+        let receivers = state.engine.submit_group(requests).map_err(|e| match e {
             SubmitError::QueueFull => ApiError::queue_full(),
             SubmitError::Stopped => ApiError::unavailable(e.to_string()),
             SubmitError::TooLarge { .. } => ApiError::invalid(e.to_string(), Some("max_tokens")),
         })?;
+        // The prompt is computed once however many choices share it.
         state.metrics.prompt_tokens(prompt_tokens);
-        Ok(Generation {
+        let gens = receivers.into_iter().zip(rest).map(|(events, (cancel, pipeline, logprobs))| Generation {
             state: state.clone(),
             events,
             cancel,
-            pipeline: TextPipeline::new(spec.pipeline),
-            logprobs: spec.logprobs,
+            pipeline: TextPipeline::new(pipeline),
+            logprobs,
             arrived,
             last_token: None,
             prompt_tokens,
@@ -85,7 +93,13 @@ impl Generation {
             stop_hit: None,
             pending: Piece::default(),
             ended: false,
-        })
+        });
+        Ok(gens.collect())
+    }
+
+    /// Whether the piece with the end was returned (`next` sets and returns it in one call).
+    pub fn is_ended(&self) -> bool {
+        self.ended
     }
 
     /// The next piece with text, tool calls or an end; None after the end. Cancel-safe: state

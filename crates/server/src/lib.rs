@@ -6,10 +6,12 @@
 //! requests and read events, so the HTTP side stays responsive during a long prefill.
 
 mod anthropic;
+mod choices;
 pub mod config;
 pub mod errors;
 mod generation;
 pub mod metrics;
+mod openai_stream;
 pub mod pipeline;
 pub mod protocol;
 mod responses;

@@ -48,6 +48,12 @@ impl AppState {
         self.engine.bundle()
     }
 
+    /// The context window requests may use: `--ctx-size`, never more than the model's.
+    pub fn context_length(&self) -> usize {
+        let model = self.bundle().model.info().context_length;
+        self.config.context_length.map_or(model, |c| c.min(model))
+    }
+
     pub fn gauges(&self) -> Gauges {
         let g = self.engine.gauges();
         Gauges {

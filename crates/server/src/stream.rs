@@ -1,30 +1,20 @@
 //! Server-sent events. The loop here (keep-alives, a panic in the pipeline caught, the end)
 //! serves every protocol; an [`Encoder`] turns pieces of output into one protocol's frames:
-//! OpenAI's chat and text completions here, Anthropic's and the Responses API's in their own
-//! modules.
-//!
-//! OpenAI chat: a role chunk, then content / reasoning deltas and one chunk per completed tool
-//! call, a final chunk with `finish_reason`, the usage, then `data: [DONE]`. Text completions:
-//! `text_completion` chunks the same way. A failure after the stream opened is sent as
-//! `data: {"error": …}` and the stream ends.
-//!
-//! Usage: with `stream_options.include_usage` it comes in a chunk of its own with empty
-//! `choices` after the final chunk (OpenAI's and mlx-lm's way); without it, the final chunk
-//! carries it (so clients that never ask still see it, and none sees it twice).
+//! OpenAI's chat and text completions in `openai_stream.rs`, Anthropic's and the Responses
+//! API's in their own modules. The pieces come from [`Choices`]: one generation, or OpenAI's
+//! `n` choices interleaved as their tokens arrive.
 //!
 //! While no token has arrived for a while (a long prefill), keep-alives (`: keepalive` comments,
 //! or the protocol's own ping) keep proxies from timing out and let a vanished client be noticed.
 //! Dropping the body (the client disconnected) drops the [`Generation`], which cancels it.
 
-use crate::errors::ApiError;
-use crate::generation::{End, Generation, Piece};
-use crate::protocol::logprobs;
-use crate::protocol::response::{self, Meta, Usage};
+use crate::choices::Choices;
+use crate::generation::{End, Piece};
 use axum::body::{Body, Bytes};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use futures_util::FutureExt;
-use serde_json::{json, Value};
+use serde_json::Value;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::panic::AssertUnwindSafe;
@@ -34,6 +24,11 @@ use std::time::Duration;
 pub trait Encoder: Send + 'static {
     /// Frames for one piece (its end included, when the piece carries one).
     fn piece(&mut self, piece: Piece, out: &mut VecDeque<Bytes>);
+    /// Frames for a piece of choice `index` (protocols with one choice need only `piece`).
+    fn choice(&mut self, index: usize, piece: Piece, out: &mut VecDeque<Bytes>) {
+        debug_assert_eq!(index, 0, "a one-choice protocol got a second choice");
+        self.piece(piece, out)
+    }
     /// Frames for a failure after the stream opened; the stream ends after them.
     fn fail(&mut self, message: String, out: &mut VecDeque<Bytes>);
     /// Sent when nothing was sent for the keep-alive interval.
@@ -43,16 +38,17 @@ pub trait Encoder: Send + 'static {
 }
 
 struct SseState<E> {
-    gen: Generation,
+    choices: Choices,
     encoder: E,
     keepalive: Duration,
     frames: VecDeque<Bytes>,
     finished: bool,
 }
 
-/// The streaming response: `first` frames at once, then the encoder's frames as output comes.
-pub fn sse<E: Encoder>(gen: Generation, encoder: E, first: Vec<Bytes>, keepalive: Duration) -> Response {
-    let state = SseState { gen, encoder, keepalive, frames: first.into(), finished: false };
+/// The streaming response: `first` frames at once, then the encoder's frames as output comes,
+/// until every choice has ended (or one failed).
+pub fn sse<E: Encoder>(choices: impl Into<Choices>, encoder: E, first: Vec<Bytes>, keepalive: Duration) -> Response {
+    let state = SseState { choices: choices.into(), encoder, keepalive, frames: first.into(), finished: false };
     sse_body(Body::from_stream(futures_util::stream::unfold(state, next_frame)))
 }
 
@@ -81,17 +77,18 @@ async fn next_frame<E: Encoder>(mut s: SseState<E>) -> Option<(Result<Bytes, Inf
         if s.finished {
             return None;
         }
-        let waited = tokio::time::timeout(s.keepalive, s.gen.next());
+        let waited = tokio::time::timeout(s.keepalive, s.choices.next());
         match AssertUnwindSafe(waited).catch_unwind().await {
             Err(_) => s.fail("internal error: the stream's pipeline panicked".into()),
             Ok(Err(_)) => return Some((Ok(s.encoder.keepalive()), s)),
             Ok(Ok(None)) => s.finished = true,
-            Ok(Ok(Some(piece))) => {
-                s.finished = piece.end.is_some();
+            Ok(Ok(Some((index, piece)))) => {
+                // A failed choice ends the stream (the others are cancelled when it is dropped).
                 if let Some(End::Failed(m)) = &piece.end {
                     tracing::error!("generation failed mid-stream: {m}");
+                    s.finished = true;
                 }
-                s.encoder.piece(piece, &mut s.frames);
+                s.encoder.choice(index, piece, &mut s.frames);
             }
         }
     }
@@ -113,106 +110,4 @@ pub fn frame(v: &Value) -> Bytes {
 /// `event: <name>` then `data: <json>` (Anthropic's and the Responses API's streams).
 pub fn event(name: &str, v: &Value) -> Bytes {
     Bytes::from(format!("event: {name}\ndata: {v}\n\n"))
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
-    Chat,
-    Text,
-}
-
-pub struct StreamOptions {
-    pub kind: Kind,
-    pub meta: Meta,
-    pub include_usage: bool,
-    pub keepalive: Duration,
-}
-
-/// OpenAI's chat and text completion chunks.
-struct OpenAiEncoder {
-    kind: Kind,
-    meta: Meta,
-    include_usage: bool,
-    tool_index: usize,
-}
-
-pub fn response(gen: Generation, opts: StreamOptions) -> Response {
-    let mut first = Vec::new();
-    if opts.kind == Kind::Chat {
-        let role = json!({"role": "assistant", "content": ""});
-        first.push(frame(&response::chat_chunk(&opts.meta, role, None, None, None)));
-    }
-    let encoder = OpenAiEncoder { kind: opts.kind, meta: opts.meta, include_usage: opts.include_usage, tool_index: 0 };
-    sse(gen, encoder, first, opts.keepalive)
-}
-
-impl Encoder for OpenAiEncoder {
-    fn piece(&mut self, piece: Piece, out: &mut VecDeque<Bytes>) {
-        let lp = logprobs::block(piece.logprobs);
-        let d = piece.delta;
-        match self.kind {
-            Kind::Chat => self.chat_delta(&d.content, &d.reasoning, &d.tool_calls, lp, out),
-            Kind::Text if !d.content.is_empty() || lp.is_some() => {
-                let c = response::text_completion(&self.meta, &d.content, lp, None, None);
-                out.push_back(frame(&c));
-            }
-            Kind::Text => {}
-        }
-        match piece.end {
-            None => {}
-            Some(End::Finished { reason, usage, .. }) => self.finish(reason, usage, out),
-            Some(End::Failed(message)) => self.fail(message, out),
-        }
-    }
-
-    fn fail(&mut self, message: String, out: &mut VecDeque<Bytes>) {
-        out.push_back(frame(&ApiError::internal(message).body()));
-    }
-}
-
-impl OpenAiEncoder {
-    fn chat_delta(
-        &mut self,
-        content: &str,
-        reasoning: &str,
-        calls: &[ferrolm_text::ToolCall],
-        mut lp: Option<Value>,
-        out: &mut VecDeque<Bytes>,
-    ) {
-        let meta = &self.meta;
-        if !content.is_empty() || !reasoning.is_empty() || (calls.is_empty() && lp.is_some()) {
-            let mut delta = json!({});
-            if !content.is_empty() {
-                delta["content"] = json!(content);
-            }
-            if !reasoning.is_empty() {
-                delta["reasoning"] = json!(reasoning);
-            }
-            out.push_back(frame(&response::chat_chunk(meta, delta, lp.take(), None, None)));
-        }
-        if !calls.is_empty() {
-            let list = response::tool_calls_json(calls, Some(self.tool_index));
-            self.tool_index += calls.len();
-            let c = response::chat_chunk(meta, json!({"tool_calls": list}), lp.take(), None, None);
-            out.push_back(frame(&c));
-        }
-    }
-
-    fn finish(&mut self, reason: &str, usage: Usage, out: &mut VecDeque<Bytes>) {
-        let meta = &self.meta;
-        let inline = (!self.include_usage).then_some(usage);
-        let last = match self.kind {
-            Kind::Chat => response::chat_chunk(meta, json!({}), None, Some(reason), inline),
-            Kind::Text => response::text_completion(meta, "", None, Some(reason), inline),
-        };
-        out.push_back(frame(&last));
-        if self.include_usage {
-            let object = match self.kind {
-                Kind::Chat => "chat.completion.chunk",
-                Kind::Text => "text_completion",
-            };
-            out.push_back(frame(&response::usage_chunk(meta, object, usage)));
-        }
-        out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
-    }
 }

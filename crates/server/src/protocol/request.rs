@@ -27,7 +27,13 @@ pub struct CommonParams {
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub logprobs: LogprobsMode,
+    /// OpenAI's `n`: choices generated for each prompt (1 unless asked).
+    pub n: usize,
 }
+
+/// The most choices one request may ask for: each is a sequence of the engine's batch, so a
+/// large `n` would take every seat (`--max-seqs`) from other clients.
+pub const MAX_CHOICES: usize = 16;
 
 /// Parses the body; mlx_lm.server's messages for invalid JSON and a non-object body.
 pub fn parse_body(bytes: &[u8]) -> ApiResult<Map<String, Value>> {
@@ -55,7 +61,24 @@ pub fn parse_common(body: &Map<String, Value>, cfg: &ServerConfig, vocab_size: u
         sampling,
         stop: stop_strings(body)?,
         logprobs,
+        n: choices(body)?,
     })
+}
+
+/// `n`: an integer in 1..=MAX_CHOICES; absent or null is 1.
+fn choices(body: &Map<String, Value>) -> ApiResult<usize> {
+    let err = |m: String| ApiError::invalid(m, Some("n"));
+    match body.get("n") {
+        None | Some(Value::Null) => Ok(1),
+        // An integer beyond i64 is still an integer: too large, not of the wrong type.
+        Some(Value::Number(v)) => match v.as_i64().or_else(|| v.as_u64().map(|_| i64::MAX)) {
+            Some(n) if n < 1 => Err(err("n must be at least 1".into())),
+            Some(n) if n as usize > MAX_CHOICES => Err(err(format!("n must be at most {MAX_CHOICES}"))),
+            Some(n) => Ok(n as usize),
+            None => Err(err("n must be of type int".into())),
+        },
+        Some(_) => Err(err("n must be of type int".into())),
+    }
 }
 
 /// `max_completion_tokens` wins unless absent or null (validated as an int >= 1 already).
@@ -114,6 +137,8 @@ mod tests {
         assert!(!p.stream && !p.include_usage);
         assert_eq!(p.max_tokens, None);
         assert_eq!(p.logprobs, LogprobsMode::Off);
+        assert_eq!(p.n, 1);
+        assert_eq!(parse(json!({"n": 3})).unwrap().n, 3);
         let p = parse(json!({"stream": true, "stream_options": {"include_usage": true},
             "max_tokens": 5, "max_completion_tokens": 7, "stop": ["a", ""], "temperature": 0.5,
             "logprobs": true, "top_logprobs": 3, "seed": 4}))
@@ -140,6 +165,12 @@ mod tests {
             (json!({"top_logprobs": 12}), "top_logprobs must be at most 11", "top_logprobs"),
             (json!({"stop": 3}), "stop must be of type str or list of str", "stop"),
             (json!({"stream_options": 1}), "stream_options must be of type dict", "stream_options"),
+            (json!({"n": 0}), "n must be at least 1", "n"),
+            (json!({"n": -2}), "n must be at least 1", "n"),
+            (json!({"n": 17}), "n must be at most 16", "n"),
+            (json!({"n": 1.5}), "n must be of type int", "n"),
+            (json!({"n": "2"}), "n must be of type int", "n"),
+            (json!({"n": true}), "n must be of type int", "n"),
             (
                 json!({"temperature": 1, "top_k": 5000}),
                 "`top_k` has to be an integer in the (0, 1000) interval, but is 5000.",

@@ -90,30 +90,31 @@ pub fn assistant_message(content: &str, reasoning: &str, tool_calls: Vec<Value>)
     msg
 }
 
-pub fn chat_completion(
-    meta: &Meta,
-    message: Value,
-    logprobs: Option<Value>,
-    finish_reason: &str,
-    usage: Usage,
-) -> Value {
-    let mut choice = json!({"index": 0, "message": message, "finish_reason": finish_reason});
+/// One choice of a whole chat answer.
+pub fn chat_choice(index: usize, message: Value, logprobs: Option<Value>, finish_reason: &str) -> Value {
+    let mut choice = json!({"index": index, "message": message, "finish_reason": finish_reason});
     if let Some(lp) = logprobs {
         choice["logprobs"] = lp;
     }
-    let mut m = envelope(meta, "chat.completion", json!([choice]));
+    choice
+}
+
+pub fn chat_completion(meta: &Meta, choices: Vec<Value>, usage: Usage) -> Value {
+    let mut m = envelope(meta, "chat.completion", Value::Array(choices));
     m.insert("usage".into(), usage.json());
     Value::Object(m)
 }
 
+/// A stream chunk of one choice (`index`); OpenAI sends each choice's deltas in chunks of their own.
 pub fn chat_chunk(
     meta: &Meta,
+    index: usize,
     delta: Value,
     logprobs: Option<Value>,
     finish_reason: Option<&str>,
     usage: Option<Usage>,
 ) -> Value {
-    let mut choice = json!({"index": 0, "delta": delta, "finish_reason": finish_reason});
+    let mut choice = json!({"index": index, "delta": delta, "finish_reason": finish_reason});
     if let Some(lp) = logprobs {
         choice["logprobs"] = lp;
     }
@@ -131,15 +132,13 @@ pub fn usage_chunk(meta: &Meta, object: &str, usage: Usage) -> Value {
     Value::Object(m)
 }
 
-pub fn text_completion(
-    meta: &Meta,
-    text: &str,
-    logprobs: Option<Value>,
-    finish_reason: Option<&str>,
-    usage: Option<Usage>,
-) -> Value {
-    let choice = json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason});
-    let mut m = envelope(meta, "text_completion", json!([choice]));
+/// One choice of a text completion (whole, or a stream chunk's).
+pub fn text_choice(index: usize, text: &str, logprobs: Option<Value>, finish_reason: Option<&str>) -> Value {
+    json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
+}
+
+pub fn text_completion(meta: &Meta, choices: Vec<Value>, usage: Option<Usage>) -> Value {
+    let mut m = envelope(meta, "text_completion", Value::Array(choices));
     if let Some(u) = usage {
         m.insert("usage".into(), u.json());
     }

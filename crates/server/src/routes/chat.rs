@@ -4,6 +4,7 @@
 
 use super::prompt::{self, token_budget};
 use super::{start, Prepared, Started};
+use crate::choices::UsageSum;
 use crate::errors::ApiResult;
 use crate::pipeline::PipelineConfig;
 use crate::protocol::chat::{parse_chat, ChatRequest};
@@ -11,7 +12,7 @@ use crate::protocol::logprobs;
 use crate::protocol::request::{parse_body, parse_common, CommonParams};
 use crate::protocol::response;
 use crate::state::SharedState;
-use crate::stream::Kind;
+use crate::openai_stream::Kind;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Json, Response};
@@ -43,7 +44,7 @@ pub(crate) async fn prepare_parsed(
     common: CommonParams,
     chat: ChatRequest,
 ) -> ApiResult<Prepared> {
-    let context = state.bundle().model.info().context_length;
+    let context = state.context_length();
     let tool_specs = chat.tool_specs.clone();
     // A prefilled answer goes on from the prefill's last character: no space is trimmed.
     let trim_leading_space = chat.prefill.is_none();
@@ -64,16 +65,27 @@ pub(crate) async fn prepare_parsed(
 async fn run(state: &SharedState, body: &[u8], arrived: Instant) -> ApiResult<Response> {
     let body = parse_body(body)?;
     let prepared = prepare(state, &body).await?;
-    let (meta, out) = match start(state, &body, Kind::Chat, prepared, arrived)? {
+    let n = prepared.common.n;
+    let (meta, mut choices) = match start(state, &body, Kind::Chat, vec![prepared], arrived, None)? {
         Started::Stream(resp) => return Ok(resp),
-        Started::Whole(mut gen, meta) => (meta, super::finished(&mut gen).await?),
+        Started::Whole(choices, meta) => (meta, choices),
     };
+    let mut usage = UsageSum::new(n);
+    let mut list = Vec::with_capacity(choices.len());
+    for (index, out) in super::finished_all(&mut choices).await?.into_iter().enumerate() {
+        usage.add(index, &out.usage);
+        list.push(choice(index, out));
+    }
+    Ok(Json(response::chat_completion(&meta, list, usage.total)).into_response())
+}
+
+/// One whole choice: its message (content, reasoning, tool calls) and logprobs.
+fn choice(index: usize, out: super::Outcome) -> Value {
     let d = out.all.delta;
     let calls = response::tool_calls_json(&d.tool_calls, None);
     // Whitespace between tool-call blocks is not an answer.
     let blank = !calls.is_empty() && d.content.trim().is_empty();
     let content = if blank { "" } else { &d.content };
     let message = response::assistant_message(content, &d.reasoning, calls);
-    let lp = logprobs::block(out.all.logprobs);
-    Ok(Json(response::chat_completion(&meta, message, lp, out.reason, out.usage)).into_response())
+    response::chat_choice(index, message, logprobs::block(out.all.logprobs), out.reason)
 }

@@ -10,13 +10,14 @@ mod completions;
 mod models;
 pub(crate) mod prompt;
 
+use crate::choices::Choices;
 use crate::errors::{ApiError, ApiResult};
 use crate::generation::{End, Generation, GenerationSpec, Piece};
+use crate::openai_stream::{self, Kind, StreamOptions};
 use crate::pipeline::PipelineConfig;
 use crate::protocol::request::CommonParams;
 use crate::protocol::response::{self, Meta, Usage};
 use crate::state::{unix_now, SharedState};
-use crate::stream::{self, Kind, StreamOptions};
 use crate::{anthropic, responses};
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
@@ -132,44 +133,72 @@ fn injected_fault(state: &SharedState, body: &Map<String, Value>) -> Option<Stri
     Some(fault)
 }
 
-/// A generation queued for a request: already a streaming response, or to be collected.
+/// A response's generations once queued: already a streaming response, or to be collected.
 enum Started {
     Stream(Response),
-    Whole(Generation, Meta),
+    Whole(Choices, Meta),
 }
 
-/// Queues the generation (429 when the queue is full): the part every protocol shares.
+/// Queues one generation (429 when the queue is full): the part every protocol shares.
 pub(crate) fn launch(
     state: &SharedState,
     body: &Map<String, Value>,
     common: &CommonParams,
-    mut prompt: Vec<u32>,
+    prompt: Vec<u32>,
     max_tokens: usize,
     pipeline: PipelineConfig,
     arrived: Instant,
 ) -> ApiResult<Generation> {
+    let mut one = launch_group(state, body, common, 1, (prompt, max_tokens, pipeline), arrived)?;
+    Ok(one.pop().expect("one generation"))
+}
+
+/// Queues `n` choices of one prompt; the engine computes the prompt once. Choice i samples
+/// with `seed + i` when the request gives a seed, so it equals a one-choice request with that
+/// seed (and the choices differ).
+fn launch_group(
+    state: &SharedState,
+    body: &Map<String, Value>,
+    common: &CommonParams,
+    n: usize,
+    (mut prompt, max_tokens, pipeline): (Vec<u32>, usize, PipelineConfig),
+    arrived: Instant,
+) -> ApiResult<Vec<Generation>> {
     if injected_fault(state, body).as_deref() == Some("engine") {
         prompt.clear();
     }
-    let params = ferrolm_core::GenerateParams {
-        max_tokens,
-        sampling: common.sampling.clone(),
-        prefill_chunk: state.config.prefill_chunk,
-        ..Default::default()
+    let spec = |i: usize| {
+        let mut sampling = common.sampling.clone();
+        sampling.seed = sampling.seed.map(|s| s.wrapping_add(i as u64));
+        let params = ferrolm_core::GenerateParams {
+            max_tokens,
+            sampling,
+            prefill_chunk: state.config.prefill_chunk,
+            ..Default::default()
+        };
+        GenerationSpec { prompt: prompt.clone(), params, pipeline: pipeline.clone(), logprobs: common.logprobs }
     };
-    let spec = GenerationSpec { prompt, params, pipeline, logprobs: common.logprobs };
-    Generation::start(state, spec, arrived)
+    Generation::start_group(state, (0..n).map(spec).collect(), arrived)
 }
 
-/// Queues an OpenAI chat / text generation and, for `stream`, opens the SSE response.
+/// Queues an OpenAI chat / text generation, `n` choices of each prompt in `runs` (choice
+/// `p * n + j` is the j-th of prompt p), and for `stream` opens the SSE response.
+/// `legacy_prompt_chars`: the prompts' lengths in characters, for legacy completions logprobs.
 fn start(
     state: &SharedState,
     body: &Map<String, Value>,
     kind: Kind,
-    run: Prepared,
+    runs: Vec<Prepared>,
     arrived: Instant,
+    legacy_prompt_chars: Option<Vec<usize>>,
 ) -> ApiResult<Started> {
-    let gen = launch(state, body, &run.common, run.prompt, run.max_tokens, run.pipeline, arrived)?;
+    let Some(common) = runs.first().map(|r| r.common.clone()) else {
+        return Err(ApiError::invalid("The prompt is empty", Some("prompt")));
+    };
+    let mut gens = Vec::with_capacity(runs.len() * common.n);
+    for run in runs {
+        gens.extend(launch_group(state, body, &common, common.n, (run.prompt, run.max_tokens, run.pipeline), arrived)?);
+    }
     let prefix = match kind {
         Kind::Chat => "chatcmpl",
         Kind::Text => "cmpl",
@@ -180,16 +209,19 @@ fn start(
         model: state.config.model_id.clone(),
         fingerprint: state.fingerprint.clone(),
     };
-    if !run.common.stream {
-        return Ok(Started::Whole(gen, meta));
+    let choices = Choices::new(gens);
+    if !common.stream {
+        return Ok(Started::Whole(choices, meta));
     }
     let opts = StreamOptions {
         kind,
         meta,
-        include_usage: run.common.include_usage,
+        include_usage: common.include_usage,
         keepalive: Duration::from_secs_f64(state.config.keepalive_secs),
+        n: common.n,
+        legacy_prompt_chars,
     };
-    Ok(Started::Stream(stream::response(gen, opts)))
+    Ok(Started::Stream(openai_stream::response(choices, opts)))
 }
 
 /// A request ready to queue: its parameters, prompt ids, token budget and output routing.
@@ -206,6 +238,12 @@ pub(crate) struct Outcome {
     pub reason: &'static str,
     pub usage: Usage,
     pub stop: Option<String>,
+}
+
+/// Runs every choice to its end, together; a failure of any is a 500.
+async fn finished_all(choices: &mut Choices) -> ApiResult<Vec<Outcome>> {
+    let all = futures_util::future::join_all(choices.generations().iter_mut().map(finished)).await;
+    all.into_iter().collect()
 }
 
 /// Runs a non-streaming generation to its end; a failure is a 500.

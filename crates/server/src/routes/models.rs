@@ -7,13 +7,12 @@ use axum::response::{IntoResponse, Json, Response};
 use serde_json::{json, Value};
 
 fn model(state: &SharedState) -> Value {
-    let info = state.bundle().model.info();
     json!({
         "id": state.config.model_id,
         "object": "model",
         "created": state.started,
         "owned_by": "ferrolm",
-        "context_window": info.context_length,
+        "context_window": state.context_length(),
     })
 }
 

@@ -55,35 +55,85 @@ fn render_chat(state: &SharedState, chat: ChatRequest) -> ApiResult<ChatPrompt> 
     Ok(ChatPrompt { ids, opens_reasoning })
 }
 
-/// `/v1/completions`' `prompt`: a string (the tokenizer's own BOS rule, as mlx-lm encodes it), a
-/// one-element list of a string, or a list of token ids.
-pub async fn text(state: &SharedState, prompt: Option<Value>) -> ApiResult<Vec<u32>> {
-    let state = state.clone();
-    blocking(move || text_ids(&state, prompt)).await
+/// One prompt of `/v1/completions`: its ids, and its length in characters (where the legacy
+/// logprobs' `text_offset`s start).
+pub struct TextPrompt {
+    pub ids: Vec<u32>,
+    pub chars: usize,
 }
 
-fn text_ids(state: &SharedState, prompt: Option<Value>) -> ApiResult<Vec<u32>> {
-    let bundle = state.bundle();
+/// The most prompts one `/v1/completions` request may batch: each is queued as a job of its
+/// own, and more than the queue holds (`--queue-size`, 64 by default) could never all wait.
+pub const MAX_PROMPTS: usize = 64;
+
+/// `/v1/completions`' `prompt`: a string (the tokenizer's own BOS rule, as mlx-lm encodes it), a
+/// list of token ids, or a batch (a list of strings or of token-id lists: one completion per
+/// prompt, in order).
+pub async fn text(state: &SharedState, prompt: Option<Value>) -> ApiResult<Vec<TextPrompt>> {
+    let state = state.clone();
+    blocking(move || {
+        let bundle = state.bundle();
+        let vocab = bundle.model.info().vocab_size as u64;
+        let encode = |raw: RawPrompt| match raw {
+            RawPrompt::Ids(ids) => {
+                let chars = bundle.tokenizer.decode(&ids, true).chars().count();
+                Ok(TextPrompt { ids, chars })
+            }
+            RawPrompt::Text(text) => bundle
+                .prompt_ids(None, &text)
+                .map(|ids| TextPrompt { ids, chars: text.chars().count() })
+                .map_err(|e| ApiError::internal(format!("tokenization failed: {e}"))),
+        };
+        parse_prompts(prompt, vocab)?.into_iter().map(encode).collect()
+    })
+    .await
+}
+
+#[derive(Debug)]
+enum RawPrompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+fn parse_prompts(prompt: Option<Value>, vocab: u64) -> ApiResult<Vec<RawPrompt>> {
     let param = Some("prompt");
-    let bad = || ApiError::invalid("prompt must be of type str", param);
-    let text = match prompt {
-        None => return Err(ApiError::invalid("Request did not contain a prompt", param)),
-        Some(Value::String(s)) => s,
-        Some(Value::Array(items)) if items.iter().all(Value::is_u64) && !items.is_empty() => {
-            let vocab = bundle.model.info().vocab_size as u64;
-            return items
-                .iter()
-                .map(|v| v.as_u64().filter(|&id| id < vocab).map(|id| id as u32))
-                .collect::<Option<Vec<u32>>>()
-                .ok_or_else(|| ApiError::invalid(format!("prompt token ids must be below {vocab}"), param));
-        }
-        Some(Value::Array(mut items)) if items.len() == 1 && items[0].is_string() => match items.pop() {
-            Some(Value::String(s)) => s,
-            _ => return Err(bad()),
-        },
+    let bad = || {
+        ApiError::invalid(
+            "prompt must be a string, a list of strings, a list of token ids or a list of token id lists",
+            param,
+        )
+    };
+    let items = match prompt {
+        None | Some(Value::Null) => return Err(ApiError::invalid("Request did not contain a prompt", param)),
+        Some(Value::String(s)) => return Ok(vec![RawPrompt::Text(s)]),
+        Some(Value::Array(items)) => items,
         Some(_) => return Err(bad()),
     };
-    bundle.prompt_ids(None, &text).map_err(|e| ApiError::internal(format!("tokenization failed: {e}")))
+    if items.is_empty() {
+        return Err(ApiError::invalid("The prompt is empty", param));
+    }
+    if items.iter().all(Value::is_number) {
+        return Ok(vec![RawPrompt::Ids(token_ids(&items, vocab)?)]);
+    }
+    if items.len() > MAX_PROMPTS {
+        return Err(ApiError::invalid(format!("prompt lists at most {MAX_PROMPTS} prompts"), param));
+    }
+    let one = |v: Value| match v {
+        Value::String(s) => Ok(RawPrompt::Text(s)),
+        Value::Array(ids) if !ids.is_empty() && ids.iter().all(Value::is_number) => {
+            Ok(RawPrompt::Ids(token_ids(&ids, vocab)?))
+        }
+        _ => Err(bad()),
+    };
+    items.into_iter().map(one).collect()
+}
+
+fn token_ids(items: &[Value], vocab: u64) -> ApiResult<Vec<u32>> {
+    items
+        .iter()
+        .map(|v| v.as_u64().filter(|&id| id < vocab).map(|id| id as u32))
+        .collect::<Option<Vec<u32>>>()
+        .ok_or_else(|| ApiError::invalid(format!("prompt token ids must be integers below {vocab}"), Some("prompt")))
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> ApiResult<T> + Send + 'static) -> ApiResult<T> {
@@ -125,6 +175,30 @@ pub fn token_budget(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn prompts(v: Value) -> ApiResult<Vec<RawPrompt>> {
+        parse_prompts(Some(v), 100)
+    }
+
+    #[test]
+    fn prompt_shapes() {
+        use serde_json::json;
+        let ids = |p: &RawPrompt| match p {
+            RawPrompt::Ids(ids) => ids.clone(),
+            RawPrompt::Text(_) => vec![],
+        };
+        assert!(matches!(&prompts(json!("hi")).unwrap()[..], [RawPrompt::Text(t)] if t == "hi"));
+        assert_eq!(ids(&prompts(json!([1, 2])).unwrap()[0]), vec![1, 2]);
+        let batch = prompts(json!(["a", "b", "c"])).unwrap();
+        assert!(matches!(&batch[..], [RawPrompt::Text(a), RawPrompt::Text(_), RawPrompt::Text(c)] if a == "a" && c == "c"));
+        let batch = prompts(json!([[1], [2, 3]])).unwrap();
+        assert_eq!(batch.iter().map(ids).collect::<Vec<_>>(), vec![vec![1], vec![2, 3]]);
+        for bad in [json!([]), json!({"a": 1}), json!(["a", 1]), json!([[]]), json!([[1, "x"]]), json!([-1]), json!([100])] {
+            assert_eq!(prompts(bad).unwrap_err().param.as_deref(), Some("prompt"));
+        }
+        assert!(prompts(json!(vec!["x"; MAX_PROMPTS + 1])).is_err());
+        assert_eq!(parse_prompts(None, 100).unwrap_err().message, "Request did not contain a prompt");
+    }
 
     #[test]
     fn budgets() {

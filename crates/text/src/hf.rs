@@ -19,8 +19,15 @@ pub(crate) struct HfFiles {
 impl HfFiles {
     pub fn load(dir: &Path) -> Result<Self> {
         let tk_path = dir.join("tokenizer.json");
-        let tokenizer = tokenizers::Tokenizer::from_file(&tk_path)
+        let mut tokenizer = tokenizers::Tokenizer::from_file(&tk_path)
             .map_err(|e| anyhow!("loading {}: {e}", tk_path.display()))?;
+        // Some tokenizer.json files carry truncation and padding settings (all-MiniLM-L6-v2:
+        // cut at 128, pad to 128 with [PAD]); transformers and sentence-transformers set their
+        // own per call. ferrolm encodes whole prompts and checks lengths itself: never cut or pad.
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| anyhow!("{}: {e}", tk_path.display()))?
+            .with_padding(None);
         let cfg_path = dir.join("tokenizer_config.json");
         let config: Value = if cfg_path.exists() {
             serde_json::from_str(&read_to_string(&cfg_path)?)

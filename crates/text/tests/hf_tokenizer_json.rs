@@ -68,3 +68,41 @@ fn missing_folder_is_an_error_not_a_panic() {
     let err = Tokenizer::from_hf_dir("/nonexistent/ferrolm-model").expect_err("error");
     assert!(err.to_string().contains("tokenizer.json"), "{err}");
 }
+
+/// A WordPiece (BERT) tokenizer.json whose file asks for truncation at 4 and padding to 8, as
+/// all-MiniLM-L6-v2's does (at 128): ferrolm encodes the whole text, unpadded, with the
+/// post-processor's [CLS] … [SEP].
+#[test]
+fn wordpiece_with_truncation_and_padding_in_the_file_encodes_whole_text() {
+    let vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "hello", "world", "##s", "!"];
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        vocab.iter().enumerate().map(|(i, t)| (t.to_string(), i.into())).collect();
+    let special = |id: u32, content: &str| serde_json::json!({"id": id, "content": content, "single_word": false,
+        "lstrip": false, "rstrip": false, "normalized": false, "special": true});
+    let json = serde_json::json!({
+        "version": "1.0",
+        "truncation": {"max_length": 4, "strategy": "LongestFirst", "stride": 0},
+        "padding": {"strategy": {"Fixed": 8}, "direction": "Right", "pad_to_multiple_of": null,
+                    "pad_id": 0, "pad_type_id": 0, "pad_token": "[PAD]"},
+        "added_tokens": [special(0, "[PAD]"), special(1, "[UNK]"), special(2, "[CLS]"), special(3, "[SEP]")],
+        "normalizer": {"type": "BertNormalizer", "clean_text": true, "handle_chinese_chars": true,
+                       "strip_accents": null, "lowercase": true},
+        "pre_tokenizer": {"type": "BertPreTokenizer"},
+        "post_processor": {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "[CLS]", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                       {"SpecialToken": {"id": "[SEP]", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"[CLS]": {"id": "[CLS]", "ids": [2], "tokens": ["[CLS]"]},
+                               "[SEP]": {"id": "[SEP]", "ids": [3], "tokens": ["[SEP]"]}}},
+        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": true},
+        "model": {"type": "WordPiece", "unk_token": "[UNK]", "continuing_subword_prefix": "##",
+                  "max_input_chars_per_word": 100, "vocab": vocab},
+    });
+    let dir = std::env::temp_dir().join(format!("ferrolm-text-wordpiece-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+    let tk = Tokenizer::from_hf_dir(&dir).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(tk.encode("Hello Worlds hello, world!", true).unwrap(), [2, 4, 5, 6, 4, 1, 5, 7, 3]);
+    assert_eq!(tk.encode("Hello", false).unwrap(), [4]);
+}

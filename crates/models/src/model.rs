@@ -61,6 +61,18 @@ pub trait CausalLm: Send + Sync {
     fn forward_hidden(&self, batch: &mut [SeqInput<'_>]) -> candle_core::Result<Tensor>;
     /// Final norm already applied: hidden `[batch, hidden]` → logits `[batch, vocab]` (f32).
     fn project_logits(&self, hidden: &Tensor) -> candle_core::Result<Tensor>;
+    /// Whether the model generates text; `false` for encoder-only embedding models, whose
+    /// `forward_hidden` is an error.
+    fn can_generate(&self) -> bool {
+        true
+    }
+    /// Sentence embeddings (DESIGN §6: optional on a binding): each input's token ids, special
+    /// tokens included, → `[inputs, dim]` f32, pooled and normalized as the model's own
+    /// configuration says (sentence-transformers' modules). `Ok(None)`: the model does not embed.
+    fn forward_embeddings(&self, inputs: &[&[u32]]) -> candle_core::Result<Option<Tensor>> {
+        let _ = inputs;
+        Ok(None)
+    }
     /// One decode step whose inputs stay on the device, so that it can be captured once and
     /// replayed (CUDA graphs): `token` and `pos` are one-element u32 tensors; each layer's key
     /// and value are written in place at `pos` of its whole buffers `kv[layer]`

@@ -1,11 +1,13 @@
 //! The one place that maps an architecture name to its implementation. GGUF files name it in
 //! `general.architecture`, Hugging Face folders in `config.json`'s `model_type`.
 
+use crate::bert::{Bert, BertConfig, BertNames};
 use crate::config::llama_family;
 use crate::gemma3::{Gemma3, Gemma3Config};
 use crate::llama::{Llama, LlamaConfig};
 use crate::loader::gguf::GgufFile;
 use crate::loader::safetensors::HfModel;
+use crate::sentence::SentenceConfig;
 use crate::{qwen2, CausalLm, LoadError, Result};
 use candle_core::Device;
 use std::path::Path;
@@ -27,10 +29,11 @@ const ARCHITECTURES: &[(&str, Loader)] = &[
     ("qwen2", load_qwen2),
     ("gemma3", load_gemma3),
     ("gemma3_text", load_gemma3),
+    ("bert", load_bert),
 ];
 
 /// Architectures this build can run.
-pub const SUPPORTED: &[&str] = &["llama", "mistral", "qwen2", "gemma3", "gemma3_text"];
+pub const SUPPORTED: &[&str] = &["llama", "mistral", "qwen2", "gemma3", "gemma3_text", "bert"];
 
 impl ModelSource {
     /// A directory is a Hugging Face folder; anything else is read as GGUF.
@@ -93,6 +96,22 @@ fn load_gemma3(source: &ModelSource, device: &Device) -> Result<Box<dyn CausalLm
         ModelSource::Gguf(f) => Gemma3::load(Gemma3Config::from_gguf(f)?, f, device)?,
         ModelSource::HfDir(m) => Gemma3::load(Gemma3Config::from_hf(&m.config)?, m, device)?,
     }))
+}
+
+/// BERT embedding models from Hugging Face folders (with their sentence-transformers files);
+/// a GGUF BERT's WordPiece tokenizer is not read by ferrolm-text, so GGUF is refused here.
+fn load_bert(source: &ModelSource, device: &Device) -> Result<Box<dyn CausalLm>> {
+    match source {
+        ModelSource::HfDir(m) => {
+            let cfg = BertConfig::from_hf(&m.config)?;
+            let sentence = SentenceConfig::load(m.dir())?;
+            Ok(Box::new(Bert::load(cfg, sentence, &BertNames::new(m), device)?))
+        }
+        ModelSource::Gguf(f) => Err(LoadError::File {
+            path: f.path().display().to_string(),
+            message: "BERT models are loaded from Hugging Face folders (config.json, model.safetensors, tokenizer.json), not GGUF".into(),
+        }),
+    }
 }
 
 #[cfg(test)]

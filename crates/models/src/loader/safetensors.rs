@@ -230,6 +230,11 @@ fn parse_header(map: &[u8], shard: usize) -> std::result::Result<Vec<(String, En
         }
         let bad = |what: &str| format!("tensor {name}: {what}");
         let dtype_name = info.get("dtype").and_then(Value::as_str).unwrap_or("?");
+        // Integer tensors are buffers saved beside the weights (BERT's `position_ids`), never
+        // weights: left out of the index rather than failing the whole file.
+        if matches!(dtype_name, "I64" | "I32" | "I16" | "I8" | "U64" | "U32" | "U16" | "U8" | "BOOL") {
+            continue;
+        }
         let dtype = StDType::parse(dtype_name)
             .ok_or_else(|| bad(&format!("unsupported dtype {dtype_name} (supported: F32, F16, BF16)")))?;
         let shape: Vec<usize> = info

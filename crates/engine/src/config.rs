@@ -39,6 +39,15 @@ impl GraphSettings {
     }
 }
 
+/// The prompt cache's disk tier (`--kv-disk`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskSettings {
+    pub dir: std::path::PathBuf,
+    pub max_bytes: u64,
+    /// The model's identity (`identity::model_identity`): files of another model are not read.
+    pub identity: String,
+}
+
 /// How the engine batches: see `scheduler`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchConfig {

@@ -5,6 +5,7 @@
 
 pub mod bundle;
 pub mod config;
+mod embed;
 mod gauges;
 mod generate;
 pub mod graph_decode;

@@ -4,7 +4,7 @@
 //! request at the next step; a failure in one request is reported to that request only.
 
 use crate::bundle::Bundle;
-use crate::config::{BatchConfig, GraphSettings};
+use crate::config::{BatchConfig, DiskSettings, GraphSettings};
 use crate::gauges::EngineGauges;
 use crate::seq::{SeqRequest, Sink};
 use crate::step::Batch;
@@ -23,11 +23,13 @@ pub struct EngineConfig {
     pub queue_capacity: usize,
     pub batch: BatchConfig,
     pub graph: GraphSettings,
+    /// The prompt cache's disk tier, if any.
+    pub kv_disk: Option<DiskSettings>,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { queue_capacity: 64, batch: BatchConfig::default(), graph: GraphSettings::default() }
+        Self { queue_capacity: 64, batch: BatchConfig::default(), graph: GraphSettings::default(), kv_disk: None }
     }
 }
 
@@ -165,6 +167,12 @@ impl Worker {
     fn run(self, jobs: Receiver<Job>) {
         let model = self.bundle.model.as_ref();
         let mut batch = Batch::new(model, self.cfg.batch, self.cfg.graph);
+        if let Some(d) = &self.cfg.kv_disk {
+            match ferrolm_kv::DiskTier::open(&d.dir, d.max_bytes, &d.identity) {
+                Ok(tier) => batch.set_disk_tier(tier),
+                Err(e) => tracing::warn!("prompt cache: the disk tier {} is unusable ({e}); RAM only", d.dir.display()),
+            }
+        }
         loop {
             if batch.is_idle() {
                 let Ok(job) = jobs.recv() else { return };

@@ -46,6 +46,21 @@ impl<'a> Batch<'a> {
         Self { model, cfg, graph, kv_budget, running: Vec::new(), waiting: VecDeque::new(), decoder: None, prompt_cache, next_id: 0 }
     }
 
+    /// Writes the prompt cache's entries to `disk` too, and finds entries there (also those of
+    /// an earlier process); nothing when the prompt cache is off.
+    pub fn set_disk_tier(&mut self, disk: ferrolm_kv::DiskTier) {
+        if let Some(pc) = self.prompt_cache.take() {
+            self.prompt_cache = Some(PromptCache::with_disk(pc.stats().max_bytes, Some(disk)));
+        }
+    }
+
+    /// Waits for the prompt cache's queued disk writes.
+    pub fn flush_prompt_cache(&mut self) {
+        if let Some(pc) = self.prompt_cache.as_mut() {
+            pc.flush();
+        }
+    }
+
     /// The prompt cache's counters (None when it is off).
     pub fn prompt_cache_stats(&self) -> Option<PromptCacheStats> {
         self.prompt_cache.as_ref().map(PromptCache::stats)
@@ -92,7 +107,8 @@ impl<'a> Batch<'a> {
     /// `cache`, or when it is empty a copy of the longest prefix of `prompt` in the prompt cache.
     fn cached_prefix(&mut self, prompt: &[u32], cache: SeqCache) -> SeqCache {
         let Some(pc) = self.prompt_cache.as_mut().filter(|_| cache.offset() == 0) else { return cache };
-        match pc.take(prompt, cache) {
+        let model = self.model;
+        match pc.take(prompt, &|| model.make_cache()) {
             Ok(Some(hit)) => hit.cache,
             Ok(None) => self.model.make_cache(),
             Err(e) => {

@@ -128,3 +128,56 @@ fn batched_requests_sharing_a_cached_prefix_do_not_touch_each_other() {
         assert!(o.borrow().trace == uncached(model, p, 12), "request {i} differs from its uncached run");
     }
 }
+
+fn temp_dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("ferrolm-test-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// The disk tier: a later process (a new batch over the same directory) finds the first
+/// turn's prefix on disk and continues exactly as uncached; corrupt, truncated and foreign
+/// files are skipped (and removed) without harm.
+#[test]
+fn prefixes_survive_a_restart_and_bad_files_are_skipped() {
+    let Some(model) = open_model("SmolLM2-135M-Instruct.Q4_1.gguf") else { return };
+    let model = model.as_ref();
+    let f = load_fixture("SmolLM2-135M-Instruct.Q4_1.json");
+    let first: Vec<u32> = f.prompts.iter().max_by_key(|p| p.prompt_ids.len()).unwrap().prompt_ids.clone();
+    let dir = temp_dir("kv-disk");
+    let cfg = BatchConfig { max_batch_tokens: 256, max_seqs: 8, kv_budget_bytes: 1 << 30, prompt_cache_bytes: 1 << 30 };
+    let open = |identity: &str| ferrolm_kv::DiskTier::open(&dir, 1 << 30, identity).unwrap();
+    {
+        let mut batch = Batch::new(model, cfg, Default::default());
+        batch.set_disk_tier(open("model-a"));
+        let out = Rc::new(RefCell::new(Out::default()));
+        batch.add(request(model, &first, 4, &out), model.make_cache());
+        run(&mut batch);
+        batch.flush_prompt_cache();
+    }
+    let files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(files.len(), 1, "one entry written");
+    // Beside it: garbage, a truncated copy, and the same entry under another model's identity.
+    std::fs::write(dir.join("garbage.flkv"), b"not a cache file at all").unwrap();
+    let bytes = std::fs::read(&files[0]).unwrap();
+    std::fs::write(dir.join("truncated.flkv"), &bytes[..bytes.len() / 2]).unwrap();
+    let second: Vec<u32> = first.iter().chain(&f.prompts[0].prompt_ids[1..]).copied().collect();
+    let mut batch = Batch::new(model, cfg, Default::default());
+    batch.set_disk_tier(open("model-a"));
+    let out = Rc::new(RefCell::new(Out::default()));
+    batch.add(request(model, &second, 10, &out), model.make_cache());
+    run(&mut batch);
+    assert_eq!(out.borrow().stats.as_ref().unwrap().cached_tokens, first.len() - 1, "served from disk");
+    assert!(out.borrow().trace == uncached(model, &second, 10), "the disk entry continues as uncached");
+    let s = batch.prompt_cache_stats().unwrap();
+    assert_eq!(s.disk_hits, 1);
+    assert!(!dir.join("garbage.flkv").exists() && !dir.join("truncated.flkv").exists(), "bad files removed");
+    // Another model's process does not read it.
+    let mut other = Batch::new(model, cfg, Default::default());
+    other.set_disk_tier(open("model-b"));
+    let out = Rc::new(RefCell::new(Out::default()));
+    other.add(request(model, &second, 2, &out), model.make_cache());
+    run(&mut other);
+    assert_eq!(out.borrow().stats.as_ref().unwrap().cached_tokens, 0, "a foreign entry is not used");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,11 +1,13 @@
 //! The KV-cache family behind one trait (DESIGN §4). Models call `update_and_fetch`; the caller
 //! (the engine) owns the caches.
 
+mod disk;
 mod plain;
 mod prefix;
 mod rotating;
 mod seq;
 
+pub use disk::DiskTier;
 pub use plain::PlainCache;
 pub use prefix::{Hit, PromptCache, PromptCacheStats};
 pub use rotating::RotatingCache;
@@ -47,6 +49,9 @@ pub trait KvCache: Send {
 
     /// Bytes of memory the cache's buffers hold now.
     fn bytes_held(&self) -> usize;
+
+    /// The device its buffers live on.
+    fn device(&self) -> &candle_core::Device;
     /// The cached keys and values (temporal order) and the offset, for snapshots.
     fn state(&self) -> Result<Option<KvView>>;
     /// Restores a state produced by `state` of a cache with the same signature.

@@ -100,6 +100,10 @@ impl KvCache for PlainCache {
         self.capacity() * self.bytes_per_token()
     }
 
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
     fn state(&self) -> Result<Option<KvView>> {
         self.view()
     }

@@ -189,6 +189,10 @@ impl KvCache for RotatingCache {
         self.capacity() * self.bytes_per_token()
     }
 
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
     fn state(&self) -> Result<Option<KvView>> {
         self.view()
     }

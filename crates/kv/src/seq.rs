@@ -14,6 +14,15 @@ impl SeqCache {
         self.layers[i].as_mut()
     }
 
+    pub fn layer_ref(&self, i: usize) -> &dyn KvCache {
+        self.layers[i].as_ref()
+    }
+
+    /// The device of the layers' buffers (CPU for a cache without layers).
+    pub fn device(&self) -> candle_core::Device {
+        self.layers.first().map_or(candle_core::Device::Cpu, |l| l.device().clone())
+    }
+
     pub fn num_layers(&self) -> usize {
         self.layers.len()
     }

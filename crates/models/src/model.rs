@@ -68,7 +68,8 @@ pub trait CausalLm: Send + Sync {
     }
     /// Sentence embeddings (DESIGN §6: optional on a binding): each input's token ids, special
     /// tokens included, → `[inputs, dim]` f32, pooled and normalized as the model's own
-    /// configuration says (sentence-transformers' modules). `Ok(None)`: the model does not embed.
+    /// configuration says (sentence-transformers' modules); an empty batch answers `[0, dim]` at
+    /// once. `Ok(None)`: the model does not embed.
     fn forward_embeddings(&self, inputs: &[&[u32]]) -> candle_core::Result<Option<Tensor>> {
         let _ = inputs;
         Ok(None)

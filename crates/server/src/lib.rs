@@ -8,6 +8,7 @@
 mod anthropic;
 mod choices;
 pub mod config;
+mod embeddings;
 pub mod errors;
 mod generation;
 pub mod metrics;

@@ -21,6 +21,8 @@ pub struct AppState {
     pub template_has_tools: bool,
     /// Finished Responses API responses kept for `previous_response_id` and GET.
     pub responses: ResponseStore,
+    /// One `/v1/embeddings` computation at a time: each forward already takes every core.
+    pub embed_gate: Arc<tokio::sync::Semaphore>,
 }
 
 pub type SharedState = Arc<AppState>;
@@ -41,6 +43,7 @@ impl AppState {
             think_tags,
             template_has_tools,
             responses,
+            embed_gate: Arc::new(tokio::sync::Semaphore::new(1)),
         }
     }
 

@@ -5,6 +5,7 @@
 //! by endpoint and status; errors in OpenAI's shape (Anthropic's on its endpoints), also for
 //! unknown paths and methods.
 
+mod capability;
 pub(crate) mod chat;
 mod completions;
 mod models;
@@ -18,7 +19,7 @@ use crate::pipeline::PipelineConfig;
 use crate::protocol::request::CommonParams;
 use crate::protocol::response::{self, Meta, Usage};
 use crate::state::{unix_now, SharedState};
-use crate::{anthropic, responses};
+use crate::{anthropic, embeddings, responses};
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::middleware::{self, Next};
@@ -35,14 +36,19 @@ use std::time::{Duration, Instant};
 const MAX_BODY_BYTES: usize = 256 << 20;
 
 pub fn router(state: SharedState) -> Router {
-    Router::new()
+    // The generation endpoints, refused up front when the served model only embeds.
+    let generation = Router::new()
         .route("/v1/chat/completions", post(chat::handle))
         .route("/chat/completions", post(chat::handle))
         .route("/v1/completions", post(completions::handle))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/responses", post(responses::create))
+        .route_layer(middleware::from_fn_with_state(state.clone(), capability::generation_only));
+    Router::new()
+        .merge(generation)
         .route("/v1/responses/{id}", get(responses::get).delete(responses::delete))
+        .route("/v1/embeddings", post(embeddings::create))
         .route("/v1/models", get(models::list))
         .route("/v1/models/{*id}", get(models::one))
         .route("/health", get(health))

@@ -9,6 +9,7 @@ mod embed;
 mod gauges;
 mod generate;
 pub mod graph_decode;
+pub mod identity;
 mod sampler;
 pub mod scheduler;
 mod seq;
@@ -16,7 +17,7 @@ pub mod service;
 mod step;
 
 pub use bundle::{Bundle, BundleError};
-pub use config::{BatchConfig, GraphSettings};
+pub use config::{BatchConfig, DiskSettings, GraphSettings};
 pub use gauges::{EngineGauges, Histogram, BUCKETS};
 pub use generate::{generate, Flow, GenerateInput};
 pub use graph_decode::{DecodePath, GraphDecoder};

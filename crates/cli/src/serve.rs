@@ -116,7 +116,7 @@ impl Args {
         if let Some(mb) = self.kv_budget_mb {
             batch.kv_budget_bytes = mb << 20;
         }
-        EngineConfig { queue_capacity: self.queue_size.max(1), batch, graph: GraphSettings::from_env() }
+        EngineConfig { queue_capacity: self.queue_size.max(1), batch, graph: GraphSettings::from_env(), kv_disk: None }
     }
 }
 

@@ -87,8 +87,10 @@ def test_mlx_lm_flags_are_accepted():
     s = Server("--temp", "0.0", "--top-p", "1.0", "--top-k", "0", "--min-p", "0.0",
                "--max-tokens", "7", "--chat-template-args", '{"enable_thinking": false}',
                "--prefill-step-size", "512", "--decode-concurrency", "4",
-               "--prompt-concurrency", "2", "--prompt-cache-size", "4", "--log-level", "INFO",
-               "--allowed-origins", "http://a.example,http://b.example", "--num-draft-tokens", "2",
+               # mlx-lm knobs without a ferrolm equivalent: accepted at their defaults only.
+               "--prompt-concurrency", "8", "--prompt-cache-size", "10", "--log-level", "INFO",
+               "--allowed-origins", "http://a.example,http://b.example", "--num-draft-tokens", "3",
+               "--kv-group-size", "64", "--quantized-kv-start", "5000", "--prompt-cache-bytes", "1GB",
                "--trust-remote-code", "--host", "127.0.0.1")
     try:
         r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={

@@ -40,14 +40,13 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("FERROLM_LOG")
-                .unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let result = match Cli::parse().command {
+    let cli = Cli::parse();
+    let log_level = match &cli.command {
+        Command::Serve(args) => args.log_level.as_deref(),
+        _ => None,
+    };
+    init_logging(log_level);
+    let result = match cli.command {
         Command::Serve(args) => serve::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench::run(args),
@@ -61,6 +60,20 @@ fn main() -> ExitCode {
             ExitCode::from(e.exit_code())
         }
     }
+}
+
+/// Logs go to stderr, filtered by `serve --log-level` (mlx_lm.server's level names), else by
+/// `FERROLM_LOG` (tracing's filter syntax, e.g. `ferrolm_server=debug`), else warnings and errors.
+fn init_logging(level: Option<&str>) {
+    use tracing_subscriber::EnvFilter;
+    let filter = match level {
+        Some("DEBUG") => EnvFilter::new("debug"),
+        Some("INFO") => EnvFilter::new("info"),
+        Some("WARNING") => EnvFilter::new("warn"),
+        Some(_) => EnvFilter::new("error"),
+        None => EnvFilter::try_from_env("FERROLM_LOG").unwrap_or_else(|_| "warn".into()),
+    };
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
 }
 
 /// Runs the CUDA kernel self-checks and prints one line per check; fails if any check fails.

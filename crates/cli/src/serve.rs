@@ -1,7 +1,10 @@
 //! `ferrolm serve`: the OpenAI-compatible server, a drop-in replacement for `mlx_lm.server`.
-//! Its flags carry mlx_lm.server's names and defaults; flags for features ferrolm does not have
-//! yet (adapters, draft models, KV quantization) are refused rather than ignored, and flags
-//! that only tune mlx-lm's batching or prompt cache are accepted and have no effect yet.
+//! Its flags carry mlx_lm.server's names and defaults, plus the ones users bring from
+//! llama-server and vLLM where they mean the same (`--ctx-size`, `--threads`, `--alias`,
+//! `--chat-template-file`). No flag is accepted without an effect: flags for features ferrolm
+//! does not have yet (adapters, draft models, KV quantization, pipelining) are refused, and
+//! mlx-lm's tuning knobs without a ferrolm equivalent are accepted only at their default value
+//! (which scripts written for mlx_lm.server pass), refused otherwise.
 
 use crate::{CliError, CliResult};
 use ferrolm_core::SamplingParams;
@@ -19,6 +22,16 @@ pub struct Args {
     /// A GGUF file (default: the default model in ~/.cache/ferrolm/models).
     #[arg(long)]
     model: Option<PathBuf>,
+    /// The model id reported by /v1/models and in responses [default: the file name].
+    #[arg(long, visible_alias = "served-model-name")]
+    alias: Option<String>,
+    /// Context window requests may use, in tokens (prompt and completion); at most the model's,
+    /// 0 is the model's [default: the model's].
+    #[arg(long, short = 'c', visible_alias = "max-model-len")]
+    ctx_size: Option<usize>,
+    /// CPU threads for the model's kernels [default: one per core].
+    #[arg(long, short = 't', value_parser = clap::value_parser!(u32).range(1..=1024))]
+    threads: Option<u32>,
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     /// 0 picks a free port (the line printed at start says which).
@@ -48,14 +61,18 @@ pub struct Args {
     /// A chat template (Jinja source) to use instead of the model's.
     #[arg(long, default_value = "")]
     chat_template: String,
+    /// A file holding a chat template (Jinja) to use instead of the model's.
+    #[arg(long, conflicts_with_all = ["chat_template", "use_default_chat_template"])]
+    chat_template_file: Option<PathBuf>,
     /// Use a ChatML template instead of the model's.
     #[arg(long)]
     use_default_chat_template: bool,
     /// Prompt tokens per prefill step.
     #[arg(long, default_value_t = 2048)]
     prefill_step_size: usize,
-    #[arg(long, default_value = "INFO", value_parser = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])]
-    log_level: String,
+    /// What is logged to stderr [default: FERROLM_LOG, else warnings and errors].
+    #[arg(long, value_parser = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])]
+    pub log_level: Option<String>,
     /// Requests that may wait for the engine; more get 429.
     #[arg(long, default_value_t = 64)]
     queue_size: usize,
@@ -82,21 +99,29 @@ pub struct Args {
     /// Not supported yet (refused).
     #[arg(long)]
     kv_bits: Option<u32>,
-    /// Accepted for compatibility; no effect yet (mlx_lm.server's batching and cache knobs).
-    #[arg(long, default_value_t = 3)]
-    num_draft_tokens: usize,
+    /// Prompt cache memory: bytes, or with M/MB/G/GB (powers of 10, as mlx_lm.server reads
+    /// it); 0 turns the cache off [default: an eighth of the available memory, at most 2 GiB].
+    #[arg(long, value_parser = parse_size)]
+    prompt_cache_bytes: Option<usize>,
+    /// Accepted: ferrolm runs no code from model repositories, so there is nothing to trust.
     #[arg(long)]
     trust_remote_code: bool,
-    #[arg(long, default_value_t = 8)]
-    prompt_concurrency: usize,
-    #[arg(long, default_value_t = 10)]
-    prompt_cache_size: usize,
+    /// Only mlx_lm.server's default (3): speculative decoding is not supported yet.
     #[arg(long)]
-    prompt_cache_bytes: Option<String>,
-    #[arg(long, default_value_t = 64)]
-    kv_group_size: usize,
-    #[arg(long, default_value_t = 5000)]
-    quantized_kv_start: usize,
+    num_draft_tokens: Option<usize>,
+    /// Only mlx_lm.server's default (8): prompts share each step's --max-batch-tokens instead.
+    #[arg(long)]
+    prompt_concurrency: Option<usize>,
+    /// Only mlx_lm.server's default (10): the prompt cache is capped by --prompt-cache-bytes.
+    #[arg(long)]
+    prompt_cache_size: Option<usize>,
+    /// Only mlx_lm.server's default (64): KV quantization is not supported yet.
+    #[arg(long)]
+    kv_group_size: Option<usize>,
+    /// Only mlx_lm.server's default (5000): KV quantization is not supported yet.
+    #[arg(long)]
+    quantized_kv_start: Option<usize>,
+    /// Not supported yet (refused): pipeline parallelism over several machines.
     #[arg(long)]
     pipeline: bool,
     /// Responses API responses kept in memory for `previous_response_id` (least recently used
@@ -116,6 +141,9 @@ impl Args {
         if let Some(mb) = self.kv_budget_mb {
             batch.kv_budget_bytes = mb << 20;
         }
+        if let Some(bytes) = self.prompt_cache_bytes {
+            batch.prompt_cache_bytes = bytes;
+        }
         EngineConfig { queue_capacity: self.queue_size.max(1), batch, graph: GraphSettings::from_env(), kv_disk: None }
     }
 }
@@ -132,16 +160,60 @@ fn json_object(s: &str) -> Result<Map<String, Value>, String> {
     }
 }
 
+/// A size as mlx_lm.server's `_parse_size` reads it: digits (a decimal point allowed), then
+/// nothing (bytes), M / MB (10^6) or G / GB (10^9), in any case.
+fn parse_size(s: &str) -> Result<usize, String> {
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (digits, unit) = (&s[..split], s[split..].trim().to_ascii_uppercase());
+    let scale = match unit.as_str() {
+        "" => 1.0,
+        "M" | "MB" => 1e6,
+        "G" | "GB" => 1e9,
+        _ => return Err(format!("unknown unit {unit:?} (bytes, M, MB, G or GB)")),
+    };
+    let n: f64 = digits.parse().map_err(|_| format!("{s:?} is not a size (e.g. 512MB, 2GB)"))?;
+    Ok((n * scale).round() as usize)
+}
+
 impl Args {
+    /// Flags of features ferrolm does not have, and mlx-lm knobs away from their defaults.
     fn refuse_unsupported(&self) -> CliResult<()> {
+        let changed = |v: Option<usize>, default: usize| v.is_some_and(|v| v != default);
         let refused = [
-            ("--adapter-path", self.adapter_path.is_some()),
-            ("--draft-model", self.draft_model.is_some()),
-            ("--kv-bits", self.kv_bits.is_some()),
+            ("--adapter-path", self.adapter_path.is_some(), "adapters"),
+            ("--draft-model", self.draft_model.is_some(), "speculative decoding"),
+            ("--num-draft-tokens", changed(self.num_draft_tokens, 3), "speculative decoding"),
+            ("--kv-bits", self.kv_bits.is_some(), "quantized KV caches"),
+            ("--kv-group-size", changed(self.kv_group_size, 64), "quantized KV caches"),
+            ("--quantized-kv-start", changed(self.quantized_kv_start, 5000), "quantized KV caches"),
+            ("--prompt-concurrency", changed(self.prompt_concurrency, 8), "a cap on prompts prefilled together; prompts share each step's --max-batch-tokens"),
+            ("--prompt-cache-size", changed(self.prompt_cache_size, 10), "a cap on prompt cache entries; use --prompt-cache-bytes"),
+            ("--pipeline", self.pipeline, "pipeline parallelism"),
         ];
-        match refused.iter().find(|(_, set)| *set) {
-            Some((flag, _)) => Err(CliError::usage(format!("{flag} is not supported by ferrolm serve yet"))),
+        match refused.iter().find(|(_, set, _)| *set) {
+            Some((flag, _, what)) => Err(CliError::usage(format!("{flag} is not supported by ferrolm serve yet ({what})"))),
             None => Ok(()),
+        }
+    }
+
+    /// `--threads`: the CPU kernels' pool reads FERROLM_THREADS once, when the model's first
+    /// kernel runs, and candle's own CPU ops read RAYON_NUM_THREADS; both are set before the
+    /// model loads (this runs first, while the process has one thread).
+    fn apply_threads(&self) {
+        if let Some(n) = self.threads {
+            std::env::set_var("FERROLM_THREADS", n.to_string());
+            std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+        }
+    }
+
+    /// `--ctx-size`: 0 or absent is the model's own; more than the model's is an error.
+    fn context_length(&self, model: usize) -> CliResult<Option<usize>> {
+        match self.ctx_size {
+            None | Some(0) => Ok(None),
+            Some(c) if c > model => Err(CliError::usage(format!(
+                "--ctx-size {c} is larger than the model's context of {model} tokens"
+            ))),
+            Some(c) => Ok(Some(c)),
         }
     }
 
@@ -164,41 +236,49 @@ impl Args {
         Ok(p)
     }
 
-    /// `--chat-template` / `--use-default-chat-template` override the model's template.
-    fn template_override(&self) -> Option<&str> {
-        if !self.chat_template.is_empty() {
-            Some(&self.chat_template)
+    /// `--chat-template`, `--chat-template-file` or `--use-default-chat-template` override the
+    /// model's template.
+    fn template_override(&self) -> CliResult<Option<String>> {
+        if let Some(path) = &self.chat_template_file {
+            let read = std::fs::read_to_string(path);
+            return read.map(Some).map_err(|e| CliError::usage(format!("--chat-template-file {}: {e}", path.display())));
+        }
+        Ok(if !self.chat_template.is_empty() {
+            Some(self.chat_template.clone())
         } else if self.use_default_chat_template {
-            Some(CHATML)
+            Some(CHATML.to_string())
         } else {
             None
-        }
+        })
     }
 }
 
 pub fn run(args: Args) -> CliResult<()> {
     let start = Instant::now();
     args.refuse_unsupported()?;
+    args.apply_threads();
+    let template_override = args.template_override()?;
     let mut bundle = bundle::load_parallel(args.model.as_deref(), &args.device, args.tensor_parallel as usize)
         .map_err(CliError::usage)?;
     let sampling = args.sampling(&bundle.generation)?;
-    if let Some(src) = args.template_override() {
+    let context_length = args.context_length(bundle.model.info().context_length)?;
+    if let Some(src) = &template_override {
         let t = &bundle.tokenizer;
         let template = ChatTemplate::new(src, t.bos_token(), t.eos_token())
             .map_err(|e| CliError::usage(format!("--chat-template: {e}")))?;
         bundle.template = Some(template);
     }
-    let template_source =
-        args.template_override().map(str::to_string).or_else(|| bundle.tokenizer.chat_template().map(str::to_string));
+    let template_source = template_override.or_else(|| bundle.tokenizer.chat_template().map(str::to_string));
     let config = ServerConfig {
         sampling,
         max_tokens: args.max_tokens,
         chat_template_args: args.chat_template_args.clone(),
         allowed_origins: args.allowed_origins.clone(),
         prefill_chunk: args.prefill_step_size.max(1),
-        model_id: bundle.name.clone(),
+        model_id: args.alias.clone().unwrap_or_else(|| bundle.name.clone()),
         fault_injection: std::env::var("FERROLM_TEST_FAULTS").as_deref() == Ok("1"),
         responses_store_size: args.responses_store_size,
+        context_length,
         ..Default::default()
     };
     let model_name = bundle.path.display().to_string();
@@ -260,5 +340,20 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = ctrl_c => {},
         _ = term => {},
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_read_as_mlx_lm_reads_them() {
+        assert_eq!(parse_size("1234"), Ok(1234));
+        assert_eq!(parse_size("512MB"), Ok(512_000_000));
+        assert_eq!(parse_size("1.5g"), Ok(1_500_000_000));
+        assert_eq!(parse_size("2 GB"), Ok(2_000_000_000));
+        assert!(parse_size("2TB").unwrap_err().contains("unknown unit"));
+        assert!(parse_size("MB").is_err());
     }
 }

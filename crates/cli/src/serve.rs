@@ -8,7 +8,7 @@
 
 use crate::{CliError, CliResult};
 use ferrolm_core::SamplingParams;
-use ferrolm_engine::{bundle, BatchConfig, EngineConfig, EngineHandle, GraphSettings};
+use ferrolm_engine::{bundle, BatchConfig, DiskSettings, EngineConfig, EngineHandle, GraphSettings};
 use ferrolm_models::GenerationConfig;
 use ferrolm_server::{AppState, ServerConfig};
 use ferrolm_text::ChatTemplate;
@@ -103,6 +103,13 @@ pub struct Args {
     /// it); 0 turns the cache off [default: an eighth of the available memory, at most 2 GiB].
     #[arg(long, value_parser = parse_size)]
     prompt_cache_bytes: Option<usize>,
+    /// A directory where the prompt cache also writes its entries (in the background), so that
+    /// prefixes outlive their RAM entry and restarts. Another model's files there are ignored.
+    #[arg(long)]
+    kv_disk: Option<PathBuf>,
+    /// The disk tier's size cap: bytes, or with M/MB/G/GB [default: 10 GB].
+    #[arg(long, value_parser = parse_size, default_value = "10GB")]
+    kv_disk_bytes: usize,
     /// Accepted: ferrolm runs no code from model repositories, so there is nothing to trust.
     #[arg(long)]
     trust_remote_code: bool,
@@ -136,7 +143,7 @@ pub struct Args {
 
 impl Args {
     /// The engine's settings: flags, then the environment's levers (read once, here).
-    fn engine_config(&self) -> EngineConfig {
+    fn engine_config(&self, model_path: &std::path::Path) -> CliResult<EngineConfig> {
         let mut batch = BatchConfig { max_batch_tokens: self.max_batch_tokens.max(1), max_seqs: self.max_seqs.max(1), ..Default::default() };
         if let Some(mb) = self.kv_budget_mb {
             batch.kv_budget_bytes = mb << 20;
@@ -144,7 +151,16 @@ impl Args {
         if let Some(bytes) = self.prompt_cache_bytes {
             batch.prompt_cache_bytes = bytes;
         }
-        EngineConfig { queue_capacity: self.queue_size.max(1), batch, graph: GraphSettings::from_env(), kv_disk: None }
+        let kv_disk = match &self.kv_disk {
+            Some(dir) => Some(DiskSettings {
+                dir: dir.clone(),
+                max_bytes: self.kv_disk_bytes as u64,
+                identity: ferrolm_engine::identity::model_identity(model_path)
+                    .map_err(|e| CliError::usage(format!("{}: {e}", model_path.display())))?,
+            }),
+            None => None,
+        };
+        Ok(EngineConfig { queue_capacity: self.queue_size.max(1), batch, graph: GraphSettings::from_env(), kv_disk })
     }
 }
 
@@ -282,7 +298,8 @@ pub fn run(args: Args) -> CliResult<()> {
         ..Default::default()
     };
     let model_name = bundle.path.display().to_string();
-    let engine = EngineHandle::spawn(Arc::new(bundle), args.engine_config());
+    let engine_config = args.engine_config(&bundle.path)?;
+    let engine = EngineHandle::spawn(Arc::new(bundle), engine_config);
     let state = Arc::new(AppState::new(engine, config, template_source.as_deref()));
     // HTTP work per token is small (one SSE chunk), but on a machine with few cores every worker
     // that wakes takes a core from the compute threads: measured 4% of decode on 2 cores with two

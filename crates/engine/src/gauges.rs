@@ -24,6 +24,9 @@ pub struct EngineGauges {
     pub prompt_cache_hits: AtomicU64,
     pub prompt_cache_misses: AtomicU64,
     pub prompt_cache_hit_tokens: AtomicU64,
+    pub prompt_cache_disk_hits: AtomicU64,
+    pub prompt_cache_disk_entries: AtomicUsize,
+    pub prompt_cache_disk_bytes: AtomicU64,
 }
 
 impl EngineGauges {
@@ -33,6 +36,9 @@ impl EngineGauges {
         self.prompt_cache_hits.store(s.hits, Ordering::Relaxed);
         self.prompt_cache_misses.store(s.misses, Ordering::Relaxed);
         self.prompt_cache_hit_tokens.store(s.hit_tokens, Ordering::Relaxed);
+        self.prompt_cache_disk_hits.store(s.disk_hits, Ordering::Relaxed);
+        self.prompt_cache_disk_entries.store(s.disk_entries, Ordering::Relaxed);
+        self.prompt_cache_disk_bytes.store(s.disk_bytes, Ordering::Relaxed);
     }
 
     pub(crate) fn record(&self, report: &StepReport, running: usize, waiting: usize) {

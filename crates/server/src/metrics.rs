@@ -84,6 +84,9 @@ pub struct Gauges {
     /// `ferrolm_engine::BUCKETS`, then +Inf; sum; count).
     pub batch_size: (Vec<u64>, u64, u64),
     pub step_tokens: (Vec<u64>, u64, u64),
+    /// The prompt cache: counters (hits, misses, tokens served, disk hits) and sizes (entries,
+    /// bytes, disk entries, disk bytes).
+    pub prompt_cache: [u64; 8],
 }
 
 impl Metrics {
@@ -142,6 +145,29 @@ impl Metrics {
         };
         total(&mut out, "ferrolm_engine_steps_total", "Engine steps that forwarded tokens.", gauges.steps);
         total(&mut out, "ferrolm_preemptions_total", "Sequences preempted for KV memory (recomputed later).", gauges.preemptions);
+        let pc = &gauges.prompt_cache;
+        for (i, (name, help)) in [
+            ("hits_total", "Requests that reused a cached prompt prefix."),
+            ("misses_total", "Requests that found no cached prefix."),
+            ("hit_tokens_total", "Prompt tokens served from the prompt cache."),
+            ("disk_hits_total", "Prefixes read back from the disk tier."),
+        ]
+        .iter()
+        .enumerate()
+        {
+            total(&mut out, &format!("ferrolm_prompt_cache_{name}"), help, pc[i]);
+        }
+        for (i, (name, help)) in [
+            ("entries", "Prompt cache entries in memory."),
+            ("bytes", "Prompt cache bytes in memory."),
+            ("disk_entries", "Prompt cache entries on disk."),
+            ("disk_bytes", "Prompt cache bytes on disk."),
+        ]
+        .iter()
+        .enumerate()
+        {
+            gauge(&mut out, &format!("ferrolm_prompt_cache_{name}"), help, pc[4 + i] as usize);
+        }
         count_histogram(&mut out, "ferrolm_batch_size", "Sequences per engine step.", &gauges.batch_size);
         count_histogram(&mut out, "ferrolm_step_tokens", "Tokens forwarded per engine step.", &gauges.step_tokens);
         let hist = |h: &Mutex<Histogram>, out: &mut String, name: &str, help: &str| {
@@ -208,11 +234,22 @@ mod tests {
         m.ttft(0.03);
         m.inter_token(0.012);
         let hist = (vec![0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], 2, 1);
-        let g = Gauges { queued: 2, running: 1, waiting: 0, steps: 5, preemptions: 0, batch_size: hist.clone(), step_tokens: hist };
+        let g = Gauges {
+            queued: 2,
+            running: 1,
+            waiting: 0,
+            steps: 5,
+            preemptions: 0,
+            batch_size: hist.clone(),
+            step_tokens: hist,
+            prompt_cache: [3, 1, 700, 1, 2, 4096, 1, 2048],
+        };
         let text = m.render(&g);
         assert!(text.contains("ferrolm_batch_size_bucket{le=\"2\"} 1"));
         assert!(text.contains("ferrolm_step_tokens_count 1"));
         assert!(text.contains("ferrolm_engine_steps_total 5"));
+        assert!(text.contains("ferrolm_prompt_cache_hit_tokens_total 700"));
+        assert!(text.contains("ferrolm_prompt_cache_disk_bytes 2048"));
         assert!(text.contains("ferrolm_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 2"));
         assert!(text.contains("ferrolm_prompt_tokens_total 12"));
         assert!(text.contains("ferrolm_queue_depth 2"));

@@ -67,6 +67,16 @@ impl AppState {
             preemptions: g.preemptions.load(Ordering::Relaxed),
             batch_size: g.batch_size.snapshot(),
             step_tokens: g.step_tokens.snapshot(),
+            prompt_cache: [
+                g.prompt_cache_hits.load(Ordering::Relaxed),
+                g.prompt_cache_misses.load(Ordering::Relaxed),
+                g.prompt_cache_hit_tokens.load(Ordering::Relaxed),
+                g.prompt_cache_disk_hits.load(Ordering::Relaxed),
+                g.prompt_cache_entries.load(Ordering::Relaxed) as u64,
+                g.prompt_cache_bytes.load(Ordering::Relaxed) as u64,
+                g.prompt_cache_disk_entries.load(Ordering::Relaxed) as u64,
+                g.prompt_cache_disk_bytes.load(Ordering::Relaxed),
+            ],
         }
     }
 }

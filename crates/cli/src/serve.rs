@@ -319,7 +319,11 @@ pub fn run(args: Args) -> CliResult<()> {
         println!("ferrolm serve: {model_name} at http://{addr} (ready in {:.2} s)", start.elapsed().as_secs_f64());
         use std::io::Write;
         let _ = std::io::stdout().flush();
-        ferrolm_server::serve(state, listener, shutdown()).await.map_err(CliError::runtime)
+        let engine = state.engine.clone();
+        let served = ferrolm_server::serve(state, listener, shutdown()).await.map_err(CliError::runtime);
+        // Finished prefixes reach the disk tier before the process ends.
+        engine.flush_prompt_cache(std::time::Duration::from_secs(SHUTDOWN_GRACE_SECS));
+        served
     })
 }
 

@@ -57,9 +57,12 @@ pub enum SubmitError {
     TooLarge { needed: usize, budget: usize },
 }
 
-/// Requests of one prompt (one, or OpenAI's `n` choices) with their event channels.
-struct Job {
-    requests: Vec<(Request, UnboundedSender<Event>)>,
+/// What the engine thread receives.
+enum Job {
+    /// Requests of one prompt (one, or OpenAI's `n` choices) with their event channels.
+    Run(Vec<(Request, UnboundedSender<Event>)>),
+    /// Write the prompt cache's pending disk entries, then answer.
+    Flush(SyncSender<()>),
 }
 
 /// A cheap handle to the engine thread.
@@ -117,7 +120,7 @@ impl EngineHandle {
             pairs.push((r, events));
         }
         self.gauges.queued.fetch_add(1, Ordering::SeqCst);
-        match self.jobs.try_send(Job { requests: pairs }) {
+        match self.jobs.try_send(Job::Run(pairs)) {
             Ok(()) => Ok(receivers),
             Err(e) => {
                 self.gauges.queued.fetch_sub(1, Ordering::SeqCst);
@@ -126,6 +129,17 @@ impl EngineHandle {
                     TrySendError::Disconnected(_) => SubmitError::Stopped,
                 })
             }
+        }
+    }
+}
+
+impl EngineHandle {
+    /// Waits until the prompt cache's disk tier has written every finished prefix (at
+    /// shutdown: entries then survive the process), at most `timeout`.
+    pub fn flush_prompt_cache(&self, timeout: std::time::Duration) {
+        let (done, wait) = sync_channel(1);
+        if self.jobs.send(Job::Flush(done)).is_ok() {
+            let _ = wait.recv_timeout(timeout);
         }
     }
 }
@@ -204,9 +218,17 @@ impl Worker {
 
     /// Turns a queued job into sequences of the batch (or answers it at once).
     fn add(&self, batch: &mut Batch<'_>, job: Job) {
+        let requests = match job {
+            Job::Run(requests) => requests,
+            Job::Flush(done) => {
+                batch.flush_prompt_cache();
+                let _ = done.send(());
+                return;
+            }
+        };
         self.gauges.queued.fetch_sub(1, Ordering::SeqCst);
-        let mut reqs = Vec::with_capacity(job.requests.len());
-        for (r, events) in job.requests {
+        let mut reqs = Vec::with_capacity(requests.len());
+        for (r, events) in requests {
             // A client that left while waiting is dropped from the queue without work.
             if events.is_closed() || r.cancel.is_cancelled() {
                 continue;

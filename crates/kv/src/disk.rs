@@ -55,7 +55,14 @@ pub struct DiskTier {
     identity: String,
     entries: Vec<DiskEntry>,
     clock: u64,
-    writer: Option<(Sender<(PathBuf, Vec<u8>)>, JoinHandle<()>)>,
+    writer: Option<(Sender<WriteJob>, JoinHandle<()>)>,
+}
+
+/// Work for the writer thread.
+enum WriteJob {
+    File(PathBuf, Vec<u8>),
+    /// Answered once every earlier write is done.
+    Sync(Sender<()>),
 }
 
 impl DiskTier {
@@ -63,11 +70,18 @@ impl DiskTier {
     /// only their headers are read now.
     pub fn open(dir: &Path, max_bytes: u64, identity: &str) -> std::io::Result<Self> {
         std::fs::create_dir_all(dir)?;
-        let (tx, rx) = channel::<(PathBuf, Vec<u8>)>();
+        let (tx, rx) = channel::<WriteJob>();
         let handle = std::thread::Builder::new().name("ferrolm-kv-disk".into()).spawn(move || {
-            for (path, bytes) in rx {
-                if let Err(e) = write_atomically(&path, &bytes) {
-                    tracing::warn!("prompt cache: could not write {}: {e}", path.display());
+            for job in rx {
+                match job {
+                    WriteJob::File(path, bytes) => {
+                        if let Err(e) = write_atomically(&path, &bytes) {
+                            tracing::warn!("prompt cache: could not write {}: {e}", path.display());
+                        }
+                    }
+                    WriteJob::Sync(done) => {
+                        let _ = done.send(());
+                    }
                 }
             }
         })?;
@@ -154,7 +168,7 @@ impl DiskTier {
         self.clock += 1;
         self.entries.push(DiskEntry { path: path.clone(), tokens: tokens.to_vec(), bytes: bytes.len() as u64, used: self.clock });
         if let Some((tx, _)) = &self.writer {
-            let _ = tx.send((path, bytes));
+            let _ = tx.send(WriteJob::File(path, bytes));
         }
         self.evict();
         Ok(())
@@ -170,18 +184,23 @@ impl DiskTier {
         }
     }
 
-    /// Waits until every queued write is on disk (the writer stops; later stores write nothing).
+    /// Waits until every write queued so far is on disk.
     pub fn flush(&mut self) {
-        if let Some((tx, handle)) = self.writer.take() {
-            drop(tx);
-            let _ = handle.join();
+        if let Some((tx, _)) = &self.writer {
+            let (done, wait) = channel();
+            if tx.send(WriteJob::Sync(done)).is_ok() {
+                let _ = wait.recv();
+            }
         }
     }
 }
 
 impl Drop for DiskTier {
     fn drop(&mut self) {
-        self.flush();
+        if let Some((tx, handle)) = self.writer.take() {
+            drop(tx);
+            let _ = handle.join();
+        }
     }
 }
 

@@ -24,6 +24,16 @@ fi
 cargo test --workspace --release --locked "$@"
 
 cargo build --release --locked -p ferrolm-cli
+# The chat page's browser test (tests/server/test_chat_page.py) drives Debian's chromium: installed
+# here when missing (as root, with apt; CI runs as root). If that fails the test skips, saying so.
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+      || echo "NOTICE: chromium could not be installed; the chat page's browser test will skip" >&2
+  else
+    echo "NOTICE: chromium is missing and cannot be installed here; the chat page's browser test will skip" >&2
+  fi
+fi
 VENV=${FERROLM_TEST_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/ferrolm/test-venv}
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"

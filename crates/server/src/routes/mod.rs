@@ -9,6 +9,7 @@ mod capability;
 pub(crate) mod chat;
 mod completions;
 mod models;
+mod page;
 pub(crate) mod prompt;
 
 use crate::choices::Choices;
@@ -49,6 +50,7 @@ pub fn router(state: SharedState) -> Router {
         .merge(generation)
         .route("/v1/responses/{id}", get(responses::get).delete(responses::delete))
         .route("/v1/embeddings", post(embeddings::create))
+        .route("/", get(page::chat))
         .route("/v1/models", get(models::list))
         .route("/v1/models/{*id}", get(models::one))
         .route("/health", get(health))

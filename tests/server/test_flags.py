@@ -110,3 +110,18 @@ def test_mlx_knobs_away_from_their_defaults_are_refused(flag, value):
     r = run_cli("serve", "--port", "0", flag, *([value] if value else []))
     assert r.returncode == 2
     assert f"{flag} is not supported by ferrolm serve yet" in r.stderr
+
+
+def test_serve_says_what_it_serves_and_how_to_call_it(started):
+    s = started("--alias", "m", "-c", "512", "--device", "cpu")
+    lines = [s.proc.stdout.readline() for _ in range(4)]
+    assert lines[0].split() == ["model", "m", "(llama,", "context", "512", "tokens,", "cpu,"] + lines[0].split()[7:]
+    assert f"{s.url}/v1" in lines[1]
+    assert f"ANTHROPIC_BASE_URL={s.url}" in lines[2]
+    curl = lines[3].split("try", 1)[1].strip()
+    assert curl.startswith(f"curl {s.url}/v1/chat/completions ")
+    # The example works as printed.
+    out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and '"object":"chat.completion"' in out.stdout
+    # Not a terminal: the load's progress is plain lines on stderr.
+    assert any(line.startswith("loading SmolLM2-135M-Instruct.Q4_1.gguf: done in") for line in s.stderr)

@@ -1,5 +1,6 @@
 //! `ferrolm generate`: one prompt, text streamed to stdout, stats to stderr (or one JSON object).
 
+use crate::progress::{model_label, LoadProgress};
 use crate::{CliError, CliResult};
 use ferrolm_core::{
     CancelToken, GenerateParams, GenerationStats, SamplingParams, TokenEvent, TokenLogprobs,
@@ -90,7 +91,11 @@ impl Args {
 
 pub fn run(args: Args) -> CliResult<()> {
     let text = args.prompt_text()?;
-    let bundle = bundle::load(args.model.as_deref(), &args.device).map_err(CliError::usage)?;
+    // A bar on a terminal only: generate's stderr carries its stats line for scripts.
+    let progress = LoadProgress::new(model_label(args.model.as_deref()), 1, true);
+    let loaded = bundle::load_with_progress(args.model.as_deref(), &args.device, 1, progress.callback());
+    progress.finish();
+    let bundle = loaded.map_err(CliError::usage)?;
     let messages = (!args.raw).then(|| args.messages(&text));
     let prompt = bundle
         .prompt_ids(messages.as_ref(), &text)

@@ -1,9 +1,11 @@
 //! `ferrolm`: serve, generate and benchmark LLMs on CPUs and NVIDIA GPUs.
 
+mod banner;
 mod bench;
 mod bench_batch;
 mod dump_logits;
 mod generate;
+mod progress;
 mod serve;
 
 use clap::{Parser, Subcommand};

@@ -10,7 +10,9 @@ use crate::{CliError, CliResult};
 use ferrolm_core::SamplingParams;
 use ferrolm_engine::{bundle, BatchConfig, DiskSettings, EngineConfig, EngineHandle, GraphSettings};
 use ferrolm_models::GenerationConfig;
-use ferrolm_server::{AppState, ServerConfig};
+use crate::banner;
+use crate::progress::{model_label, LoadProgress};
+use ferrolm_server::{AppState, ServerConfig, SharedState};
 use ferrolm_text::ChatTemplate;
 use serde_json::{Map, Value};
 use std::path::PathBuf;
@@ -274,8 +276,7 @@ pub fn run(args: Args) -> CliResult<()> {
     args.refuse_unsupported()?;
     args.apply_threads();
     let template_override = args.template_override()?;
-    let mut bundle = bundle::load_parallel(args.model.as_deref(), &args.device, args.tensor_parallel as usize)
-        .map_err(CliError::usage)?;
+    let mut bundle = load(&args)?;
     let sampling = args.sampling(&bundle.generation)?;
     let context_length = args.context_length(bundle.model.info().context_length)?;
     if let Some(src) = &template_override {
@@ -297,10 +298,24 @@ pub fn run(args: Args) -> CliResult<()> {
         context_length,
         ..Default::default()
     };
-    let model_name = bundle.path.display().to_string();
     let engine_config = args.engine_config(&bundle.path)?;
     let engine = EngineHandle::spawn(Arc::new(bundle), engine_config);
     let state = Arc::new(AppState::new(engine, config, template_source.as_deref()));
+    listen(&args, state, start)
+}
+
+/// The model, with a progress bar on a terminal (plain lines on stderr otherwise).
+fn load(args: &Args) -> CliResult<bundle::Bundle> {
+    let ranks = args.tensor_parallel as usize;
+    let progress = LoadProgress::new(model_label(args.model.as_deref()), ranks, false);
+    let loaded = bundle::load_with_progress(args.model.as_deref(), &args.device, ranks, progress.callback());
+    progress.finish();
+    loaded.map_err(CliError::usage)
+}
+
+/// Serves `state` until Ctrl-C / SIGTERM; prints the ready line, then what is served and how to
+/// call it.
+fn listen(args: &Args, state: SharedState, start: Instant) -> CliResult<()> {
     // HTTP work per token is small (one SSE chunk), but on a machine with few cores every worker
     // that wakes takes a core from the compute threads: measured 4% of decode on 2 cores with two
     // workers (bench/results/server.md). One suffices there; the engine has its own thread.
@@ -316,7 +331,18 @@ pub fn run(args: Args) -> CliResult<()> {
             .await
             .map_err(|e| CliError::usage(format!("cannot listen on {}:{}: {e}", args.host, args.port)))?;
         let addr = listener.local_addr().map_err(CliError::runtime)?;
-        println!("ferrolm serve: {model_name} at http://{addr} (ready in {:.2} s)", start.elapsed().as_secs_f64());
+        let bundle = state.bundle();
+        println!("ferrolm serve: {} at http://{addr} (ready in {:.2} s)", bundle.path.display(), start.elapsed().as_secs_f64());
+        let model = &bundle.model;
+        let device = device_name(model.device());
+        let served = banner::Served {
+            model_id: &state.config.model_id,
+            architecture: &model.info().architecture,
+            context: state.context_length(),
+            device: &device,
+            generates: model.can_generate(),
+        };
+        println!("{}", banner::lines(addr, &served));
         use std::io::Write;
         let _ = std::io::stdout().flush();
         let engine = state.engine.clone();
@@ -325,6 +351,15 @@ pub fn run(args: Args) -> CliResult<()> {
         engine.flush_prompt_cache(std::time::Duration::from_secs(SHUTDOWN_GRACE_SECS));
         served
     })
+}
+
+/// `cpu (N threads)` or `cuda:N`.
+fn device_name(device: &candle_core::Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => format!("cpu, {} threads", ferrolm_backend::cpu::threads::num_threads()),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        other => format!("{other:?}"),
+    }
 }
 
 /// Seconds in-flight requests get to finish after Ctrl-C / SIGTERM before the process exits.

@@ -1,6 +1,7 @@
 //! A model ready to serve: weights on a device, tokenizer, chat template and EOS ids.
 
 use ferrolm_backend::parse_device;
+use ferrolm_models::loader::ProgressFn;
 use ferrolm_models::{paths, CausalLm, GenerationConfig, ModelSource};
 use ferrolm_text::{ChatTemplate, RenderOptions, Tokenizer, TokenizerSpec};
 use std::path::{Path, PathBuf};
@@ -33,6 +34,17 @@ pub fn load(path: Option<&Path>, device: &str) -> Result<Bundle, BundleError> {
 /// ranks on consecutive GPUs from N (reduced with NCCL in builds with it), `cpu` simulates the ranks on the CPU
 /// (reduced by a gather-sum on rank 0; see `ferrolm_models::tensor_parallel`).
 pub fn load_parallel(path: Option<&Path>, device: &str, tensor_parallel: usize) -> Result<Bundle, BundleError> {
+    load_with_progress(path, device, tensor_parallel, None)
+}
+
+/// `load_parallel` calling `progress(done, total)` (bytes of tensors) as the weights load: see
+/// `ferrolm_models::ModelSource::on_progress`.
+pub fn load_with_progress(
+    path: Option<&Path>,
+    device: &str,
+    tensor_parallel: usize,
+    progress: Option<ProgressFn>,
+) -> Result<Bundle, BundleError> {
     let path = path
         .map(Path::to_path_buf)
         .unwrap_or_else(paths::default_model_path);
@@ -42,6 +54,9 @@ pub fn load_parallel(path: Option<&Path>, device: &str, tensor_parallel: usize) 
         )),
         _ => BundleError(e.to_string()),
     })?;
+    if let Some(f) = progress {
+        source.on_progress(f);
+    }
     let devices = rank_devices(device, tensor_parallel.max(1))?;
     let tokenizer = match &source {
         ModelSource::Gguf(f) => {

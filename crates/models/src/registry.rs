@@ -6,6 +6,7 @@ use crate::config::llama_family;
 use crate::gemma3::{Gemma3, Gemma3Config};
 use crate::llama::{Llama, LlamaConfig};
 use crate::loader::gguf::GgufFile;
+use crate::loader::ProgressFn;
 use crate::loader::safetensors::HfModel;
 use crate::sentence::SentenceConfig;
 use crate::{qwen2, CausalLm, LoadError, Result};
@@ -61,6 +62,15 @@ impl ModelSource {
         match self {
             ModelSource::Gguf(f) => f.path(),
             ModelSource::HfDir(m) => m.dir(),
+        }
+    }
+
+    /// Calls `f(done, total)` (bytes of tensors) as the load hands each tensor to the model:
+    /// for progress bars.
+    pub fn on_progress(&self, f: ProgressFn) {
+        match self {
+            ModelSource::Gguf(g) => g.progress.set(f),
+            ModelSource::HfDir(m) => m.files().progress.set(f),
         }
     }
 }

@@ -1,5 +1,6 @@
 //! GGUF files: metadata and tensors read through candle's GGUF reader over a memory map.
 
+use super::Progress;
 use crate::{LoadError, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, QTensor};
@@ -14,6 +15,9 @@ pub struct GgufFile {
     path: PathBuf,
     content: Content,
     mmap: Arc<Mmap>,
+    /// Bytes of all tensors (the denominator of `progress`).
+    total_bytes: u64,
+    pub(crate) progress: Progress,
 }
 
 /// A tensor's bytes inside the memory map: weights are used in place, never copied on CPU.
@@ -54,12 +58,15 @@ impl GgufFile {
         let content = Content::read(&mut std::io::Cursor::new(&mmap[..]))
             // First line only: candle appends a backtrace when RUST_BACKTRACE is set.
             .map_err(|e| err(format!("not a valid GGUF file: {}", e.to_string().lines().next().unwrap_or(""))))?;
-        let this = Self {
+        let mut this = Self {
             path: path.to_path_buf(),
             content,
             mmap: Arc::new(mmap),
+            total_bytes: 0,
+            progress: Progress::default(),
         };
         this.check_tensor_bounds().map_err(err)?;
+        this.total_bytes = this.tensor_bytes("") as u64;
         Ok(this)
     }
 
@@ -152,6 +159,7 @@ impl GgufFile {
             .get(name)
             .ok_or_else(|| self.missing(&format!("tensor {name}")))?;
         let (start, len) = self.tensor_range(info);
+        self.progress.advance(len, self.total_bytes);
         Ok((&self.mmap[start as usize..(start + len) as usize], info))
     }
 

@@ -4,6 +4,37 @@ pub mod safetensors;
 use crate::Result;
 use candle_core::{Device, Tensor};
 use ferrolm_backend::Weight;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+/// A load's progress callback: (bytes of tensors handed to the model so far, the source's
+/// total). Called from the loading thread, once per tensor.
+pub type ProgressFn = Box<dyn Fn(u64, u64) + Send + Sync>;
+
+/// The progress of one source's load, reported as each tensor is handed to the model (which
+/// then copies or repacks it: the report leads the work by one tensor).
+#[derive(Default)]
+pub struct Progress {
+    report: OnceLock<ProgressFn>,
+    done: AtomicU64,
+}
+
+impl Progress {
+    /// Sets the callback (once; later calls are ignored).
+    pub fn set(&self, f: ProgressFn) {
+        let _ = self.report.set(f);
+    }
+
+    /// A tensor of `bytes` was handed out. A tensor read twice (a tied embedding and output
+    /// head; every tensor once per tensor-parallel rank) counts each time, so `done` may pass
+    /// `total`: the caller scales and caps its bar.
+    pub(crate) fn advance(&self, bytes: u64, total: u64) {
+        if let Some(f) = self.report.get() {
+            let done = self.done.fetch_add(bytes, Ordering::Relaxed) + bytes;
+            f(done, total);
+        }
+    }
+}
 
 /// Where a model's tensors come from. Models ask by GGUF tensor name (`blk.3.attn_q.weight`);
 /// each source maps that to its own naming.

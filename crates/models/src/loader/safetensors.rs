@@ -7,7 +7,7 @@
 //! little-endian); it is parsed here directly, with every tensor's extent checked.
 
 use crate::config::{GenerationConfig, HfConfig};
-use crate::loader::WeightSource;
+use crate::loader::{Progress, WeightSource};
 use crate::{LoadError, Result};
 use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
@@ -80,6 +80,9 @@ pub struct SafetensorsFiles {
     paths: Vec<PathBuf>,
     maps: Vec<Arc<Mmap>>,
     tensors: HashMap<String, Entry>,
+    /// Bytes of all tensors (the denominator of `progress`).
+    total_bytes: u64,
+    pub(crate) progress: Progress,
 }
 
 impl SafetensorsFiles {
@@ -90,6 +93,8 @@ impl SafetensorsFiles {
             paths: Vec::new(),
             maps: Vec::new(),
             tensors: HashMap::new(),
+            total_bytes: 0,
+            progress: Progress::default(),
         };
         for path in paths {
             this.add_shard(&path)?;
@@ -107,6 +112,7 @@ impl SafetensorsFiles {
         let map = unsafe { Mmap::map(&file) }.map_err(|e| err(e.to_string()))?;
         let shard = self.maps.len();
         for (name, entry) in parse_header(&map, shard).map_err(err)? {
+            self.total_bytes += entry.len as u64;
             if self.tensors.insert(name.clone(), entry).is_some() {
                 return Err(err(format!("tensor {name} appears in more than one shard")));
             }
@@ -124,11 +130,14 @@ impl SafetensorsFiles {
         self.tensors.keys().map(String::as_str)
     }
 
+    /// A tensor's entry, as it is handed to the model (which counts towards `progress`).
     fn entry(&self, name: &str) -> Result<&Entry> {
-        self.tensors.get(name).ok_or_else(|| LoadError::File {
+        let e = self.tensors.get(name).ok_or_else(|| LoadError::File {
             path: self.paths.first().map_or_else(String::new, |p| p.display().to_string()),
             message: format!("missing tensor {name}"),
-        })
+        })?;
+        self.progress.advance(e.len as u64, self.total_bytes);
+        Ok(e)
     }
 
     fn bytes(&self, e: &Entry) -> &[u8] {

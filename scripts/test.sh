@@ -5,7 +5,7 @@
 # against a real `ferrolm serve` on the default model (tests/server).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 scripts/get_model.py ${FERROLM_TEST_MODELS:-smollm2-135m gemma3-270m qwen2.5-coder-0.5b all-minilm-l6-v2}
+python3 scripts/get_model.py ${FERROLM_TEST_MODELS:-smollm2-135m gemma3-270m qwen2.5-coder-0.5b qwen2.5-coder-1.5b all-minilm-l6-v2}
 # The Hugging Face folders the folder tests load (tests/hf_folders.rs), converted from those
 # GGUF files by scripts/gguf_to_hf.py, which needs `gguf` and `numpy`: the oracle venv has them,
 # else a small venv. FERROLM_TEST_HF=0 skips this (those tests then skip with a notice).

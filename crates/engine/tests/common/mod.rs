@@ -20,11 +20,13 @@ pub struct FixturePrompt {
     pub prompt_ids: Vec<u32>,
     pub greedy_ids: Vec<u32>,
     pub steps: Vec<Step>,
-    /// The exact float64 reference along its own greedy continuation.
+    /// The exact float64 reference along its own greedy continuation (absent: none recorded,
+    /// e.g. for models too large for the float64 reference).
+    #[serde(default)]
     pub reference: Oracle,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 pub struct Oracle {
     pub greedy_ids: Vec<u32>,
     pub steps: Vec<Step>,

@@ -66,7 +66,9 @@ fn attend_as(q: &Tensor, k: &Tensor, v: &Tensor, pos: Positions, p: &AttentionPa
     attend_generic(q, k, v, pos, p)
 }
 
-/// One sequence's decode query in a batch: q `[1, Hq, D]` over its keys and values `[Hkv, S, D]`.
+/// One sequence's decode rows in a batch: q `[T, Hq, D]` (one token, or the pending token and
+/// drafts being verified, at positions `query_start..query_start + T`) over its keys and values
+/// `[Hkv, S, D]` (all T rows' keys appended).
 pub struct DecodeQuery<'a> {
     pub q: &'a Tensor,
     pub k: &'a Tensor,
@@ -74,15 +76,29 @@ pub struct DecodeQuery<'a> {
     pub pos: Positions,
 }
 
-/// `attend` for the decode tokens of several sequences, `[n, Hq·D]`: on the CPU one parallel
-/// pass over all their (kv head, key range) items (`decode_attn::attend_many`), each
-/// sequence's output the bits `attend` gives it alone; elsewhere one call per sequence.
+/// `attend` for the decode rows of several sequences, `[rows, Hq·D]`. Every row is computed as
+/// a lone decode of that token would be (its keys up to its own position, the one-token
+/// kernel's arithmetic), so verifying drafts gives the bits of decoding them one by one. On the
+/// CPU one parallel pass over all rows' (kv head, key range) items (`decode_attn::attend_many`).
 pub fn attend_decode_batch(queries: &[DecodeQuery<'_>], p: &AttentionParams) -> candle_core::Result<Tensor> {
+    if let [one] = queries {
+        if one.q.dims()[0] == 1 {
+            return attend(one.q, one.k, one.v, one.pos, p);
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     if let Some(out) = decode_batch_cpu(queries, p)? {
         return Ok(out);
     }
-    let outs = queries.iter().map(|d| attend(d.q, d.k, d.v, d.pos, p)).collect::<candle_core::Result<Vec<_>>>()?;
+    let mut outs = Vec::new();
+    for d in queries {
+        for r in 0..d.q.dims()[0] {
+            let pos = Positions { query_start: d.pos.query_start + r, key_start: d.pos.key_start };
+            let keys = (pos.query_start + 1).saturating_sub(pos.key_start).min(d.k.dims()[1]);
+            let (k, v) = (d.k.narrow(1, 0, keys)?, d.v.narrow(1, 0, keys)?);
+            outs.push(attend(&d.q.narrow(0, r, 1)?, &k, &v, pos, p)?);
+        }
+    }
     Tensor::cat(&outs, 0)
 }
 
@@ -93,9 +109,9 @@ fn decode_batch_cpu(queries: &[DecodeQuery<'_>], p: &AttentionParams) -> candle_
     let Some(first) = queries.first() else { return Ok(None) };
     let kv_dtype = first.k.dtype();
     let fits = |d: &DecodeQuery| {
-        matches!(d.q.device(), Device::Cpu) && d.q.dtype() == DType::F32 && d.q.dims()[0] == 1 && d.k.dtype() == kv_dtype && d.v.dtype() == kv_dtype
+        matches!(d.q.device(), Device::Cpu) && d.q.dtype() == DType::F32 && d.k.dtype() == kv_dtype && d.v.dtype() == kv_dtype
     };
-    if queries.len() < 2 || !queries.iter().all(fits) || !decode_kernel(first.q.dims()[2]) {
+    if !queries.iter().all(fits) || !decode_kernel(first.q.dims()[2]) {
         return Ok(None);
     }
     match kv_dtype {
@@ -114,20 +130,25 @@ fn decode_batch_typed<E: crate::cpu::decode_attn::Elem + candle_core::WithDType>
     let mut calls = Vec::with_capacity(queries.len());
     for (d, ((qs, ql), (ks, kl), (vs, vl))) in queries.iter().zip(&guards) {
         let (Storage::Cpu(qc), Storage::Cpu(kc), Storage::Cpu(vc)) = (&**qs, &**ks, &**vs) else { candle_core::bail!("attention: expected CPU tensors") };
-        let (_, hq, dim) = d.q.dims3()?;
-        let (hkv, s, _) = d.k.dims3()?;
-        let (lo, hi) = visible_keys(d.pos.query_start, s, d.pos, p.window);
-        let q = &qc.as_slice::<f32>()?[ql.start_offset()..ql.start_offset() + hq * dim];
+        let (t, hq, dim) = d.q.dims3()?;
+        let (hkv, _, _) = d.k.dims3()?;
+        let q_all = &qc.as_slice::<f32>()?[ql.start_offset()..ql.start_offset() + t * hq * dim];
         let (k, v) = (kv_view(kc.as_slice::<E>()?, kl)?, kv_view(vc.as_slice::<E>()?, vl)?);
-        calls.push(DecodeCall { q, k, v, hq, hkv, d: dim, lo, hi, scale: p.scale, softcap: p.softcap });
+        for (r, q) in q_all.chunks_exact(hq * dim).enumerate() {
+            // Row r sees the keys a lone decode at its position would hold.
+            let qpos = d.pos.query_start + r;
+            let held = (qpos + 1).saturating_sub(d.pos.key_start);
+            let (lo, hi) = visible_keys(qpos, held, d.pos, p.window);
+            calls.push(DecodeCall { q, k, v, hq, hkv, d: dim, lo, hi, scale: p.scale, softcap: p.softcap });
+        }
     }
     let width = calls[0].hq * calls[0].d;
     let mut out = vec![0f32; calls.len() * width];
     let mut outs: Vec<&mut [f32]> = out.chunks_exact_mut(width).collect();
     let refs: Vec<&DecodeCall<E>> = calls.iter().collect();
     attend_many(&refs, &mut outs);
-    drop(guards);
-    Tensor::from_vec(out, (queries.len(), width), &Device::Cpu)
+    let rows = calls.len();
+    Tensor::from_vec(out, (rows, width), &Device::Cpu)
 }
 
 /// The reference composition: explicit scores, mask and softmax.
@@ -449,6 +470,29 @@ mod tests {
                 assert_eq!(bits(&batch.narrow(0, i, 1).unwrap()), bits(&alone), "sequence {i}, window {window:?}");
             }
         }
+    }
+
+    /// Several rows of one sequence (a pending token and drafts) equal decoding them one at a
+    /// time, each over the keys up to its own position, bit for bit.
+    #[test]
+    fn decode_rows_equal_one_at_a_time() {
+        let dev = Device::Cpu;
+        let (t, s) = (5, 300);
+        let q = Tensor::randn(0f32, 1.0, (t, 8, 64), &dev).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (2, s, 64), &dev).unwrap().to_dtype(DType::F16).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (2, s, 64), &dev).unwrap().to_dtype(DType::F16).unwrap();
+        let p = AttentionParams { scale: 0.125, window: None, softcap: None };
+        let start = s - t;
+        let pos = Positions { query_start: start, key_start: 0 };
+        let q2 = Tensor::randn(0f32, 1.0, (1, 8, 64), &dev).unwrap();
+        let batch = attend_decode_batch(&[DecodeQuery { q: &q, k: &k, v: &v, pos }, DecodeQuery { q: &q2, k: &k, v: &v, pos: Positions { query_start: s - 1, key_start: 0 } }], &p).unwrap();
+        let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for r in 0..t {
+            let keys = start + r + 1;
+            let alone = attend(&q.narrow(0, r, 1).unwrap(), &k.narrow(1, 0, keys).unwrap(), &v.narrow(1, 0, keys).unwrap(), Positions { query_start: start + r, key_start: 0 }, &p).unwrap();
+            assert_eq!(bits(&batch.narrow(0, r, 1).unwrap()), bits(&alone), "row {r}");
+        }
+        assert_eq!(batch.dims()[0], t + 1);
     }
 
     /// A prompt's attention is the same bits however it is cut into chunks: each chunk sees

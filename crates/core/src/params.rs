@@ -69,6 +69,7 @@ impl SamplingParams {
 
 /// Everything the engine needs to run one generation, resolved once when the request starts.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct GenerateParams {
     pub max_tokens: usize,
     pub sampling: SamplingParams,
@@ -78,6 +79,9 @@ pub struct GenerateParams {
     pub prefill_chunk: usize,
     /// Fire the prompt-snapshot hook when the cache holds exactly this many tokens.
     pub snapshot_at: Option<usize>,
+    /// Whether the server's speculative decoding may run for this request (`"speculative":
+    /// false` opts out); the output is the same either way.
+    pub speculative: bool,
 }
 
 impl Default for GenerateParams {
@@ -88,6 +92,7 @@ impl Default for GenerateParams {
             stop_token_ids: Vec::new(),
             prefill_chunk: 2048,
             snapshot_at: None,
+            speculative: true,
         }
     }
 }

@@ -56,5 +56,8 @@ pub struct GenerationStats {
     pub ttft_ms: f64,
     /// Exactly the tokens whose KV is in the caches: prompt ++ forwarded.
     pub cache_tokens: Vec<TokenId>,
+    /// Speculative decoding: draft tokens verified, and how many of them were kept.
+    pub drafted_tokens: usize,
+    pub accepted_tokens: usize,
     pub finish_reason: Option<FinishReason>,
 }

@@ -14,6 +14,7 @@ mod sampler;
 pub mod scheduler;
 mod seq;
 pub mod service;
+pub mod spec;
 mod step;
 
 pub use bundle::{Bundle, BundleError};
@@ -24,4 +25,5 @@ pub use graph_decode::{DecodePath, GraphDecoder};
 pub use sampler::{Sampled, TokenSampler};
 pub use seq::{SeqRequest, Sink};
 pub use service::{EngineConfig, EngineHandle, Event, Request, SubmitError};
+pub use spec::{NgramProposer, Proposer, SpecConfig};
 pub use step::{Batch, StepReport};

@@ -10,8 +10,9 @@ use crate::config::BatchConfig;
 pub enum Want {
     /// Prompt rows still to forward before its tail.
     Prompt { remaining: usize },
-    /// One decode row (the prompt's last token, or the pending sampled token).
-    Decode,
+    /// One decode row (the prompt's last token, or the pending sampled token), and up to
+    /// `drafts` more rows of draft tokens to verify.
+    Decode { drafts: usize },
     /// Nothing: it has ended and waits to be retired.
     Nothing,
 }
@@ -33,7 +34,8 @@ pub struct SeqView {
 /// One step's work, by index into the running list (in running order): decode rows first.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Plan {
-    pub decode: Vec<usize>,
+    /// (sequence, decode rows: 1 + the drafts granted).
+    pub decode: Vec<(usize, usize)>,
     /// (sequence, prompt rows).
     pub prompt: Vec<(usize, usize)>,
 }
@@ -44,7 +46,7 @@ impl Plan {
     }
 
     pub fn tokens(&self) -> usize {
-        self.decode.len() + self.prompt.iter().map(|p| p.1).sum::<usize>()
+        self.decode.iter().map(|d| d.1).sum::<usize>() + self.prompt.iter().map(|p| p.1).sum::<usize>()
     }
 }
 
@@ -90,13 +92,14 @@ pub fn preempt(kv_budget: usize, running: &[SeqView]) -> Vec<usize> {
     out
 }
 
-/// The next step: every decode row, then prompt chunks in order while the token budget lasts.
+/// The next step: every decode row, then prompt chunks in order, then draft rows to verify,
+/// while the token budget lasts.
 pub fn plan(cfg: &BatchConfig, running: &[SeqView]) -> Plan {
     let mut budget = cfg.max_batch_tokens.max(1);
     let mut plan = Plan::default();
     for (i, s) in running.iter().enumerate() {
-        if s.want == Want::Decode && budget > 0 {
-            plan.decode.push(i);
+        if matches!(s.want, Want::Decode { .. }) && budget > 0 {
+            plan.decode.push((i, 1));
             budget -= 1;
         }
     }
@@ -108,6 +111,13 @@ pub fn plan(cfg: &BatchConfig, running: &[SeqView]) -> Plan {
             }
             plan.prompt.push((i, n));
             budget -= n;
+        }
+    }
+    for (i, rows) in plan.decode.iter_mut() {
+        if let Want::Decode { drafts } = running[*i].want {
+            let granted = drafts.min(budget);
+            *rows += granted;
+            budget -= granted;
         }
     }
     plan
@@ -129,26 +139,30 @@ mod tests {
     fn decodes_come_first_then_prompt_chunks_in_order_within_the_budget() {
         let running = [
             seq(Want::Prompt { remaining: 300 }, 10),
-            seq(Want::Decode, 50),
+            seq(Want::Decode { drafts: 0 }, 50),
             seq(Want::Prompt { remaining: 100 }, 10),
             seq(Want::Nothing, 5),
-            seq(Want::Decode, 70),
+            seq(Want::Decode { drafts: 4 }, 70),
         ];
         let p = plan(&cfg(256, 8), &running);
-        assert_eq!(p.decode, vec![1, 4]);
+        assert_eq!(p.decode, vec![(1, 1), (4, 1)]);
         assert_eq!(p.prompt, vec![(0, 254)]);
         assert_eq!(p.tokens(), 256);
+        // Drafts take what prompt chunks leave.
         let p = plan(&cfg(1000, 8), &running);
         assert_eq!(p.prompt, vec![(0, 300), (2, 100)]);
+        assert_eq!(p.decode, vec![(1, 1), (4, 5)]);
+        let p = plan(&cfg(404, 8), &running);
+        assert_eq!(p.decode, vec![(1, 1), (4, 3)]);
         // A budget smaller than the decodes: the first ones run, nothing else.
         let p = plan(&cfg(1, 8), &running);
-        assert_eq!((p.decode, p.prompt), (vec![1], vec![]));
+        assert_eq!((p.decode, p.prompt), (vec![(1, 1)], vec![]));
     }
 
     #[test]
     fn admission_keeps_arrival_order_and_respects_seats_and_memory() {
-        let running = [seq(Want::Decode, 100)];
-        let waiting = [seq(Want::Prompt { remaining: 10 }, 50), seq(Want::Prompt { remaining: 10 }, 500), seq(Want::Decode, 1)];
+        let running = [seq(Want::Decode { drafts: 0 }, 100)];
+        let waiting = [seq(Want::Prompt { remaining: 10 }, 50), seq(Want::Prompt { remaining: 10 }, 500), seq(Want::Decode { drafts: 0 }, 1)];
         assert_eq!(admit(&cfg(512, 8), 1000, &running, &waiting), 3);
         assert_eq!(admit(&cfg(512, 8), 600, &running, &waiting), 1, "the large one blocks the queue");
         assert_eq!(admit(&cfg(512, 2), 1000, &running, &waiting), 1, "seats");
@@ -156,7 +170,8 @@ mod tests {
 
     #[test]
     fn preemption_takes_the_newest_until_the_rest_fit_and_keeps_the_oldest() {
-        let running = [seq(Want::Decode, 100), seq(Want::Decode, 100), seq(Want::Decode, 100)];
+        let d = Want::Decode { drafts: 0 };
+        let running = [seq(d, 100), seq(d, 100), seq(d, 100)];
         assert_eq!(preempt(300, &running), Vec::<usize>::new());
         assert_eq!(preempt(250, &running), vec![2]);
         assert_eq!(preempt(150, &running), vec![2, 1]);

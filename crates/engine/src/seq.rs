@@ -4,6 +4,7 @@
 
 use crate::sampler::TokenSampler;
 use crate::scheduler::{SeqView, Want};
+use crate::spec::{Proposer, SpecStats};
 use crate::Flow;
 use candle_core::Tensor;
 use ferrolm_core::{CancelToken, FinishReason, GenerateParams, GenerationStats, TokenEvent, TokenId};
@@ -56,6 +57,14 @@ pub struct Sequence<'a> {
     /// Sequences of the same prompt (OpenAI's `n`) waiting for this one's prefill: they start
     /// from a copy of its cache once its prompt, all but the last token, is in.
     pub followers: Vec<Sequence<'a>>,
+    /// Speculative decoding: the proposer, the drafts of the coming step, how many to ask for
+    /// (adapted to what was accepted), the decode rows being forwarded, and the counters.
+    proposer: Option<Box<dyn Proposer + 'a>>,
+    drafts: Vec<TokenId>,
+    gamma: usize,
+    max_gamma: usize,
+    rows: Vec<TokenId>,
+    spec: SpecStats,
 }
 
 impl<'a> Sequence<'a> {
@@ -79,6 +88,12 @@ impl<'a> Sequence<'a> {
             ended: None,
             failure: None,
             followers: Vec::new(),
+            proposer: None,
+            drafts: Vec::new(),
+            gamma: 0,
+            max_gamma: 0,
+            rows: Vec::new(),
+            spec: SpecStats::default(),
         };
         if seq.tokens.is_empty() {
             seq.fail("the prompt is empty".into());
@@ -102,7 +117,8 @@ impl<'a> Sequence<'a> {
         }
     }
 
-    /// The next rows to forward: prompt rows up to the tail, then one decode row at a time.
+    /// The next rows to forward: prompt rows up to the tail, then a decode row at a time (with
+    /// the drafts proposed for it).
     pub fn want(&self) -> Want {
         let computed = self.cache.offset();
         if self.is_done() {
@@ -110,7 +126,35 @@ impl<'a> Sequence<'a> {
         } else if computed + 1 < self.prefill_len {
             Want::Prompt { remaining: self.prefill_len - 1 - computed }
         } else {
-            Want::Decode
+            Want::Decode { drafts: self.drafts.len() }
+        }
+    }
+
+    pub fn is_decoding(&self) -> bool {
+        matches!(self.want(), Want::Decode { .. })
+    }
+
+    /// Speculates with `proposer`, at most `max_gamma` drafts per step.
+    pub fn set_proposer(&mut self, proposer: Box<dyn Proposer + 'a>, max_gamma: usize) {
+        if self.params.speculative && max_gamma > 0 {
+            (self.proposer, self.gamma, self.max_gamma) = (Some(proposer), max_gamma, max_gamma);
+        }
+    }
+
+    pub fn speculates(&self) -> bool {
+        self.proposer.is_some()
+    }
+
+    /// Asks the proposer for this step's drafts: no more than the tokens left to generate
+    /// allow, nor than the cache can take back (a sliding window that has moved on cannot).
+    pub fn propose(&mut self) {
+        self.drafts.clear();
+        if self.proposer.is_none() || !self.is_decoding() {
+            return;
+        }
+        let limit = self.gamma.min(self.remaining().saturating_sub(1)).min(self.cache.max_trim());
+        if let Some(p) = self.proposer.as_mut() {
+            self.drafts = p.propose(&self.tokens, limit);
         }
     }
 
@@ -135,7 +179,7 @@ impl<'a> Sequence<'a> {
 
     /// Whether its followers can start: its prompt but the last token is in the cache.
     pub fn ready_to_fork(&self) -> bool {
-        !self.followers.is_empty() && self.want() == Want::Decode
+        !self.followers.is_empty() && self.is_decoding()
     }
 
     /// Starts a follower from a copy of this sequence's cache (see `followers`).
@@ -151,11 +195,52 @@ impl<'a> Sequence<'a> {
         follower
     }
 
-    /// Samples the next token from this sequence's logits row `[vocab]` and delivers it.
-    pub fn sample_and_deliver(&mut self, logits: &Tensor) -> candle_core::Result<()> {
-        let next = self.sampler.sample(logits, &self.tokens)?;
-        self.deliver(next.token, next.logprobs);
+    /// The decode rows to forward (the pending token and the first `rows - 1` drafts, the
+    /// others dropped) with the cache they extend.
+    pub fn decode_input(&mut self, rows: usize) -> ferrolm_models::SeqInput<'_> {
+        let start = self.cache.offset();
+        self.drafts.truncate(rows - 1);
+        self.rows.clear();
+        self.rows.extend_from_slice(&self.tokens[start..]);
+        self.rows.extend_from_slice(&self.drafts);
+        ferrolm_models::SeqInput::decode(&self.rows, &mut self.cache)
+    }
+
+    /// Samples each forwarded row's logits (`logits.get(first + i)`) in turn with this
+    /// sequence's sampler and delivers the token, going on while it equals the next draft; then
+    /// takes the rejected drafts' keys and values back out of the cache.
+    pub fn verify(&mut self, logits: &Tensor, first: usize) -> candle_core::Result<()> {
+        let drafts = std::mem::take(&mut self.drafts);
+        let mut accepted = 0;
+        for i in 0..=drafts.len() {
+            let next = self.sampler.sample(&logits.get(first + i)?, &self.tokens)?;
+            let matched = drafts.get(i) == Some(&next.token);
+            self.deliver(next.token, next.logprobs);
+            if self.is_done() || !matched {
+                break;
+            }
+            accepted += 1;
+        }
+        self.spec.drafted += drafts.len();
+        self.spec.accepted += accepted;
+        self.adapt_gamma(accepted, drafts.len());
+        // The cache holds every delivered token but the last (pending).
+        let extra = self.cache.offset() - (self.tokens.len() - 1);
+        if self.cache.trim(extra) != extra {
+            candle_core::bail!("speculation: {extra} rejected rows could not be taken back from the cache");
+        }
         Ok(())
+    }
+
+    /// More drafts after a round that kept them all, fewer after one that did not.
+    fn adapt_gamma(&mut self, accepted: usize, drafted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        self.gamma = match accepted == drafted {
+            true => (self.gamma + 2).min(self.max_gamma),
+            false => (accepted + 1).min(self.max_gamma),
+        };
     }
 
     /// Appends `token` (sampled elsewhere, e.g. by the captured greedy step) and sends it to the
@@ -257,6 +342,7 @@ impl<'a> Sequence<'a> {
         // mlx-lm's convention: token 0 is free on the decode clock.
         stats.decode_tps = rate(stats.generated_tokens as f64, stats.decode_ms);
         stats.cache_tokens = self.tokens[..self.cache.offset().min(self.tokens.len())].to_vec();
+        (stats.drafted_tokens, stats.accepted_tokens) = (self.spec.drafted, self.spec.accepted);
         stats.finish_reason = self.ended.flatten();
         stats
     }

@@ -5,8 +5,9 @@
 
 use crate::config::{BatchConfig, GraphSettings};
 use crate::graph_decode::{use_static_decode, GraphDecoder};
-use crate::scheduler::{self, Plan, SeqView, Want};
+use crate::scheduler::{self, Plan, SeqView};
 use crate::seq::{SeqRequest, Sequence};
+use crate::spec::{NgramProposer, SpecConfig};
 use ferrolm_kv::{PromptCache, PromptCacheStats, SeqCache};
 use ferrolm_models::{CausalLm, SeqInput};
 use std::collections::VecDeque;
@@ -25,6 +26,8 @@ pub struct Batch<'a> {
     decoder: Option<GraphDecoder>,
     /// Prompt prefixes of finished sequences, reused by new ones (`--prompt-cache-bytes`).
     prompt_cache: Option<PromptCache>,
+    /// Speculative decoding by prompt lookup, when on.
+    spec: Option<SpecConfig>,
     next_id: u64,
 }
 
@@ -37,13 +40,31 @@ pub struct StepReport {
     pub preempted: usize,
     /// Sequences that ended this step, with their caches.
     pub retired: Vec<(u64, SeqCache)>,
+    /// Draft rows verified in this step.
+    pub drafted: usize,
 }
 
 impl<'a> Batch<'a> {
     pub fn new(model: &'a dyn CausalLm, cfg: BatchConfig, graph: GraphSettings) -> Self {
         let kv_budget = scheduler::kv_budget_tokens(&cfg, model.make_cache().bytes_per_token());
         let prompt_cache = (cfg.prompt_cache_bytes > 0).then(|| PromptCache::new(cfg.prompt_cache_bytes));
-        Self { model, cfg, graph, kv_budget, running: Vec::new(), waiting: VecDeque::new(), decoder: None, prompt_cache, next_id: 0 }
+        Self {
+            model,
+            cfg,
+            graph,
+            kv_budget,
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            decoder: None,
+            prompt_cache,
+            spec: None,
+            next_id: 0,
+        }
+    }
+
+    /// Speculates by prompt lookup for the requests added from now on (unless one opts out).
+    pub fn set_speculation(&mut self, spec: Option<SpecConfig>) {
+        self.spec = spec.filter(|s| s.max_drafts > 0);
     }
 
     /// Writes the prompt cache's entries to `disk` too, and finds entries there (also those of
@@ -98,6 +119,9 @@ impl<'a> Batch<'a> {
         self.next_id += 1;
         let cache = self.cached_prefix(&req.prompt, cache);
         let mut seq = Sequence::new(id, req, cache);
+        if let Some(spec) = &self.spec {
+            seq.set_proposer(Box::new(NgramProposer::new(spec)), spec.max_drafts);
+        }
         if seq.max_kv_tokens() > self.kv_budget {
             seq.fail(format!("the request needs {} cache tokens, more than the KV budget of {}", seq.max_kv_tokens(), self.kv_budget));
         }
@@ -138,9 +162,11 @@ impl<'a> Batch<'a> {
         self.admit();
         self.fork_ready();
         report.preempted = self.preempt();
+        self.running.iter_mut().for_each(Sequence::propose);
         if !self.captured_greedy(interrupted) {
             let plan = scheduler::plan(&self.cfg, &self.views());
             (report.seqs, report.tokens) = (plan.decode.len() + plan.prompt.len(), plan.tokens());
+            report.drafted = plan.tokens() - plan.decode.len() - plan.prompt.iter().map(|p| p.1).sum::<usize>();
             self.run(&plan);
         }
         self.retire(&mut report);
@@ -233,25 +259,25 @@ impl<'a> Batch<'a> {
             Ok(Err(e)) => e.to_string(),
             Err(panic) => crate::service::panic_message(panic),
         };
-        for i in plan.decode.iter().copied().chain(plan.prompt.iter().map(|p| p.0)) {
+        for i in plan.decode.iter().chain(&plan.prompt).map(|p| p.0) {
             self.running[i].fail(message.clone());
         }
     }
 
     /// One `forward_hidden` over the plan's rows (decode sequences first), logits for the
-    /// decode rows, each sampled by its own sequence.
+    /// decode rows, each sequence's sampled (and its drafts verified) by itself.
     fn forward_and_sample(&mut self, plan: &Plan) -> candle_core::Result<()> {
         let hidden = {
-            // Per running sequence: None (not in this step), Some(None) (its decode row) or
-            // Some(Some(n)) (n prompt rows).
-            let mut rows: Vec<Option<Option<usize>>> = vec![None; self.running.len()];
-            plan.decode.iter().for_each(|&i| rows[i] = Some(None));
-            plan.prompt.iter().for_each(|&(i, n)| rows[i] = Some(Some(n)));
+            // Per running sequence: None (not in this step), Some(Row::Decode(n)) or
+            // Some(Row::Prompt(n)).
+            let mut rows: Vec<Option<Rows>> = vec![None; self.running.len()];
+            plan.decode.iter().for_each(|&(i, n)| rows[i] = Some(Rows::Decode(n)));
+            plan.prompt.iter().for_each(|&(i, n)| rows[i] = Some(Rows::Prompt(n)));
             let (mut decode, mut prompt) = (Vec::new(), Vec::new());
             for (seq, rows) in self.running.iter_mut().zip(rows) {
                 match rows {
-                    Some(None) => decode.push(seq.input(None)),
-                    Some(Some(n)) => prompt.push(seq.input(Some(n))),
+                    Some(Rows::Decode(n)) => decode.push(seq.input(Rows::Decode(n))),
+                    Some(Rows::Prompt(n)) => prompt.push(seq.input(Rows::Prompt(n))),
                     None => {}
                 }
             }
@@ -262,11 +288,13 @@ impl<'a> Batch<'a> {
             return Ok(());
         }
         let logits = self.model.project_logits(&hidden)?;
-        for (row, &i) in plan.decode.iter().enumerate() {
+        let mut first = 0;
+        for &(i, n) in &plan.decode {
             let seq = &mut self.running[i];
-            if let Err(e) = logits.get(row).and_then(|l| seq.sample_and_deliver(&l)) {
+            if let Err(e) = seq.verify(&logits, first) {
                 seq.fail(e.to_string());
             }
+            first += n;
         }
         Ok(())
     }
@@ -276,7 +304,7 @@ impl<'a> Batch<'a> {
     /// whether it ran.
     fn captured_greedy(&mut self, interrupted: &dyn Fn() -> bool) -> bool {
         let [seq] = &mut self.running[..] else { return false };
-        let decoding = seq.want() == Want::Decode && seq.generated() > 0;
+        let decoding = seq.is_decoding() && seq.generated() > 0 && !seq.speculates();
         if !self.waiting.is_empty() || !decoding || !seq.is_plain_greedy() || !use_static_decode(self.model, &self.graph) {
             return false;
         }
@@ -305,13 +333,23 @@ impl<'a> Batch<'a> {
     }
 }
 
+/// A sequence's rows in a step.
+#[derive(Clone, Copy)]
+enum Rows {
+    Prompt(usize),
+    /// The pending token and drafts: 1 + drafts.
+    Decode(usize),
+}
+
 impl<'a> Sequence<'a> {
-    /// This sequence's rows for the next forward: `n` prompt rows, or its decode row.
-    fn input(&mut self, prompt_rows: Option<usize>) -> SeqInput<'_> {
-        let start = self.cache.offset();
-        match prompt_rows {
-            Some(n) => SeqInput::prompt(&self.tokens[start..start + n], &mut self.cache),
-            None => SeqInput::decode(&self.tokens[start..], &mut self.cache),
+    /// This sequence's rows for the next forward.
+    fn input(&mut self, rows: Rows) -> SeqInput<'_> {
+        match rows {
+            Rows::Prompt(n) => {
+                let start = self.cache.offset();
+                SeqInput::prompt(&self.tokens[start..start + n], &mut self.cache)
+            }
+            Rows::Decode(n) => self.decode_input(n),
         }
     }
 }

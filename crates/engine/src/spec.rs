@@ -1,0 +1,95 @@
+//! Speculative decoding: a proposer guesses the next tokens of a sequence; the step forwards
+//! `[pending, drafts…]` as decode rows in one forward and the sequence's own sampler samples
+//! each row in turn, keeping drafts while they equal what it sampled (token-match acceptance:
+//! every emitted token is the sampler's own draw given the tokens before it, so the output is
+//! exactly what decoding one token at a time gives — the same tokens, logprobs and seeded
+//! draws — and only the number of forwards changes).
+
+use ferrolm_core::TokenId;
+
+/// Guesses continuations of a token history.
+pub trait Proposer: Send {
+    /// Up to `max` tokens that may follow `history` (prompt ++ generated).
+    fn propose(&mut self, history: &[TokenId], max: usize) -> Vec<TokenId>;
+}
+
+/// How speculation runs (server settings, read once).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpecConfig {
+    /// Drafts per step at most (γ).
+    pub max_drafts: usize,
+    /// n-gram lengths tried, longest first.
+    pub ngram_min: usize,
+    pub ngram_max: usize,
+}
+
+impl Default for SpecConfig {
+    fn default() -> Self {
+        Self { max_drafts: 8, ngram_min: 2, ngram_max: 4 }
+    }
+}
+
+/// Prompt lookup (model-free): finds the most recent earlier occurrence of the history's last
+/// n tokens (n from `max_n` down to `min_n`) and proposes the tokens that followed it. Code
+/// edits and quoting repeat long stretches of the prompt, where this guesses well.
+pub struct NgramProposer {
+    min_n: usize,
+    max_n: usize,
+}
+
+impl NgramProposer {
+    pub fn new(cfg: &SpecConfig) -> Self {
+        Self { min_n: cfg.ngram_min.max(1), max_n: cfg.ngram_max.max(cfg.ngram_min.max(1)) }
+    }
+}
+
+impl Proposer for NgramProposer {
+    fn propose(&mut self, history: &[TokenId], max: usize) -> Vec<TokenId> {
+        if max == 0 {
+            return Vec::new();
+        }
+        for n in (self.min_n..=self.max_n).rev() {
+            if let Some(start) = last_earlier_match(history, n) {
+                let end = (start + max).min(history.len());
+                return history[start..end].to_vec();
+            }
+        }
+        Vec::new()
+    }
+}
+
+/// The index right after the most recent earlier occurrence of `history`'s last `n` tokens.
+fn last_earlier_match(history: &[TokenId], n: usize) -> Option<usize> {
+    if history.len() <= n {
+        return None;
+    }
+    let tail = &history[history.len() - n..];
+    // Occurrences ending before the tail itself; the latest one first.
+    (0..history.len() - n).rev().find(|&i| &history[i..i + n] == tail).map(|i| i + n)
+}
+
+/// Counters of one sequence's speculation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpecStats {
+    pub drafted: usize,
+    pub accepted: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proposes_what_followed_the_latest_earlier_occurrence() {
+        let mut p = NgramProposer::new(&SpecConfig { max_drafts: 8, ngram_min: 1, ngram_max: 3 });
+        // "a b c d a b c" -> after "a b c" came "d a b c".
+        let h = [1, 2, 3, 4, 1, 2, 3];
+        assert_eq!(p.propose(&h, 3), vec![4, 1, 2]);
+        assert_eq!(p.propose(&h, 10), vec![4, 1, 2, 3]);
+        assert_eq!(p.propose(&[5, 6, 7], 4), Vec::<u32>::new());
+        // The longest n that matches wins; the latest occurrence of it.
+        let h = [9, 1, 2, 7, 8, 1, 2, 5, 1, 2];
+        assert_eq!(p.propose(&h, 2), vec![5, 1]);
+        assert_eq!(p.propose(&h, 0), Vec::<u32>::new());
+    }
+}

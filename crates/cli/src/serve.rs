@@ -8,7 +8,7 @@
 
 use crate::{CliError, CliResult};
 use ferrolm_core::SamplingParams;
-use ferrolm_engine::{bundle, BatchConfig, DiskSettings, EngineConfig, EngineHandle, GraphSettings};
+use ferrolm_engine::{bundle, BatchConfig, DiskSettings, EngineConfig, EngineHandle, GraphSettings, SpecConfig};
 use ferrolm_models::GenerationConfig;
 use crate::banner;
 use crate::progress::{model_label, LoadProgress};
@@ -115,9 +115,19 @@ pub struct Args {
     /// Accepted: ferrolm runs no code from model repositories, so there is nothing to trust.
     #[arg(long)]
     trust_remote_code: bool,
-    /// Only mlx_lm.server's default (3): speculative decoding is not supported yet.
-    #[arg(long)]
-    num_draft_tokens: Option<usize>,
+    /// Speculative decoding: `ngram` drafts by prompt lookup (the output is the same; only
+    /// speed differs), `none` turns it off. Requests may opt out with `"speculative": false`.
+    #[arg(long, default_value = "none", value_parser = ["none", "ngram"])]
+    draft_kind: String,
+    /// Draft tokens verified per step at most (the number adapts to what gets accepted).
+    #[arg(long, default_value_t = 3)]
+    num_draft_tokens: usize,
+    /// Prompt lookup's n-gram lengths: the longest that matches, from --ngram-max down to
+    /// --ngram-min tokens.
+    #[arg(long, default_value_t = 1)]
+    ngram_min: usize,
+    #[arg(long, default_value_t = 3)]
+    ngram_max: usize,
     /// Only mlx_lm.server's default (8): prompts share each step's --max-batch-tokens instead.
     #[arg(long)]
     prompt_concurrency: Option<usize>,
@@ -162,7 +172,12 @@ impl Args {
             }),
             None => None,
         };
-        Ok(EngineConfig { queue_capacity: self.queue_size.max(1), batch, graph: GraphSettings::from_env(), kv_disk })
+        let spec = (self.draft_kind == "ngram").then(|| SpecConfig {
+            max_drafts: self.num_draft_tokens,
+            ngram_min: self.ngram_min.max(1),
+            ngram_max: self.ngram_max.max(self.ngram_min.max(1)),
+        });
+        Ok(EngineConfig { queue_capacity: self.queue_size.max(1), batch, graph: GraphSettings::from_env(), kv_disk, spec })
     }
 }
 
@@ -200,7 +215,6 @@ impl Args {
         let refused = [
             ("--adapter-path", self.adapter_path.is_some(), "adapters"),
             ("--draft-model", self.draft_model.is_some(), "speculative decoding"),
-            ("--num-draft-tokens", changed(self.num_draft_tokens, 3), "speculative decoding"),
             ("--kv-bits", self.kv_bits.is_some(), "quantized KV caches"),
             ("--kv-group-size", changed(self.kv_group_size, 64), "quantized KV caches"),
             ("--quantized-kv-start", changed(self.quantized_kv_start, 5000), "quantized KV caches"),

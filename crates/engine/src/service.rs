@@ -5,6 +5,7 @@
 
 use crate::bundle::Bundle;
 use crate::config::{BatchConfig, DiskSettings, GraphSettings};
+use crate::spec::SpecConfig;
 use crate::gauges::EngineGauges;
 use crate::seq::{SeqRequest, Sink};
 use crate::step::Batch;
@@ -25,11 +26,13 @@ pub struct EngineConfig {
     pub graph: GraphSettings,
     /// The prompt cache's disk tier, if any.
     pub kv_disk: Option<DiskSettings>,
+    /// Speculative decoding by prompt lookup, if on.
+    pub spec: Option<SpecConfig>,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { queue_capacity: 64, batch: BatchConfig::default(), graph: GraphSettings::default(), kv_disk: None }
+        Self { queue_capacity: 64, batch: BatchConfig::default(), graph: GraphSettings::default(), kv_disk: None, spec: None }
     }
 }
 
@@ -181,6 +184,7 @@ impl Worker {
     fn run(self, jobs: Receiver<Job>) {
         let model = self.bundle.model.as_ref();
         let mut batch = Batch::new(model, self.cfg.batch, self.cfg.graph);
+        batch.set_speculation(self.cfg.spec);
         if let Some(d) = &self.cfg.kv_disk {
             match ferrolm_kv::DiskTier::open(&d.dir, d.max_bytes, &d.identity) {
                 Ok(tier) => batch.set_disk_tier(tier),

@@ -70,11 +70,13 @@ impl UsageSum {
     }
 
     pub fn add(&mut self, index: usize, usage: &Usage) {
-        if index % self.n == 0 {
+        if index.is_multiple_of(self.n) {
             self.total.prompt_tokens += usage.prompt_tokens;
             self.total.cached_tokens += usage.cached_tokens;
         }
         self.total.completion_tokens += usage.completion_tokens;
+        self.total.drafted += usage.drafted;
+        self.total.accepted += usage.accepted;
     }
 }
 
@@ -85,7 +87,7 @@ mod tests {
     #[test]
     fn prompts_count_once_completions_all() {
         let mut sum = UsageSum::new(2);
-        let u = |p, c| Usage { prompt_tokens: p, completion_tokens: c, cached_tokens: 0 };
+        let u = |p, c| Usage { prompt_tokens: p, completion_tokens: c, cached_tokens: 0, ..Default::default() };
         // Two prompts of 10 and 7 tokens, two choices each.
         for (i, usage) in [u(10, 3), u(10, 4), u(7, 1), u(7, 2)].iter().enumerate() {
             sum.add(i, usage);

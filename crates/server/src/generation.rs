@@ -140,7 +140,10 @@ impl Generation {
                     prompt_tokens: self.prompt_tokens,
                     completion_tokens: self.completion_tokens,
                     cached_tokens: stats.cached_tokens,
+                    drafted: stats.drafted_tokens,
+                    accepted: stats.accepted_tokens,
                 };
+                self.state.metrics.speculation(stats.drafted_tokens, stats.accepted_tokens);
                 self.end(End::Finished { reason, usage, stop: self.stop_hit.clone() });
             }
             Some(Event::Error(message)) => self.end(End::Failed(message)),

@@ -52,6 +52,8 @@ pub struct Metrics {
     requests: Mutex<BTreeMap<(String, u16), u64>>,
     prompt_tokens: AtomicU64,
     generation_tokens: AtomicU64,
+    spec_drafted: AtomicU64,
+    spec_accepted: AtomicU64,
     cancelled: AtomicU64,
     ttft: Mutex<Histogram>,
     itl: Mutex<Histogram>,
@@ -64,6 +66,8 @@ impl Default for Metrics {
             requests: Mutex::default(),
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
+            spec_drafted: AtomicU64::new(0),
+            spec_accepted: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
             ttft: Mutex::new(Histogram::new(TTFT_BUCKETS)),
             itl: Mutex::new(Histogram::new(ITL_BUCKETS)),
@@ -100,6 +104,12 @@ impl Metrics {
         self.prompt_tokens.fetch_add(n as u64, Ordering::Relaxed);
     }
 
+    /// Draft tokens a finished generation verified and kept.
+    pub fn speculation(&self, drafted: usize, accepted: usize) {
+        self.spec_drafted.fetch_add(drafted as u64, Ordering::Relaxed);
+        self.spec_accepted.fetch_add(accepted as u64, Ordering::Relaxed);
+    }
+
     pub fn generated_token(&self) {
         self.generation_tokens.fetch_add(1, Ordering::Relaxed);
     }
@@ -131,6 +141,8 @@ impl Metrics {
         }
         counter(&mut out, "ferrolm_prompt_tokens_total", "Prompt tokens of admitted requests.", &self.prompt_tokens);
         counter(&mut out, "ferrolm_generation_tokens_total", "Tokens generated.", &self.generation_tokens);
+        counter(&mut out, "ferrolm_spec_drafted_tokens_total", "Draft tokens verified (speculative decoding).", &self.spec_drafted);
+        counter(&mut out, "ferrolm_spec_accepted_tokens_total", "Draft tokens kept (speculative decoding).", &self.spec_accepted);
         counter(
             &mut out,
             "ferrolm_requests_cancelled_total",

@@ -92,7 +92,7 @@ async fn without_output(state: &SharedState, parsed: Parsed, id: &str) -> ApiRes
     if stream {
         return Ok(crate::stream::sse_frames(stream::without_output(id, model, prompt_tokens)));
     }
-    let usage = Usage { prompt_tokens, completion_tokens: 0, cached_tokens: 0 };
+    let usage = Usage { prompt_tokens, completion_tokens: 0, cached_tokens: 0, ..Default::default() };
     let message = response::Message {
         id,
         model,

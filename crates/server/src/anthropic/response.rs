@@ -113,7 +113,7 @@ mod tests {
     #[test]
     fn message_shape() {
         let calls = [ToolCall { name: "w".into(), arguments: "{\"city\": \"Paris\"}".into() }];
-        let usage = usage(&Usage { prompt_tokens: 9, completion_tokens: 4, cached_tokens: 0 });
+        let usage = usage(&Usage { prompt_tokens: 9, completion_tokens: 4, cached_tokens: 0, ..Default::default() });
         let m = Message {
             id: "msg_01x",
             model: "m",

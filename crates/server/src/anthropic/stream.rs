@@ -37,7 +37,7 @@ pub struct AnthropicEncoder {
 
 /// The `message_start` frame and the encoder for the rest.
 pub fn start(id: &str, model: &str, prompt_tokens: usize, hide_thinking: bool) -> (Bytes, AnthropicEncoder) {
-    let usage = resp::usage(&Usage { prompt_tokens, completion_tokens: 0, cached_tokens: 0 });
+    let usage = resp::usage(&Usage { prompt_tokens, completion_tokens: 0, cached_tokens: 0, ..Default::default() });
     let empty =
         Message { id, model, thinking: None, text: "", calls: &[], stop_reason: None, stop_sequence: None, usage };
     // An empty message has no tool input to fail on.
@@ -50,7 +50,7 @@ pub fn start(id: &str, model: &str, prompt_tokens: usize, hide_thinking: bool) -
 pub fn without_output(id: &str, model: &str, prompt_tokens: usize) -> Vec<Bytes> {
     let (first, mut encoder) = start(id, model, prompt_tokens, false);
     let mut out = VecDeque::from([first]);
-    let usage = Usage { prompt_tokens, completion_tokens: 0, cached_tokens: 0 };
+    let usage = Usage { prompt_tokens, completion_tokens: 0, cached_tokens: 0, ..Default::default() };
     encoder.finish("length", usage, None, &mut out);
     out.into()
 }
@@ -194,7 +194,7 @@ mod tests {
         enc.piece(piece("", "\n", vec![], None), &mut out);
         enc.piece(piece("", "Hi", vec![], None), &mut out);
         let call = ToolCall { name: "w".into(), arguments: "{\"a\": 1}".into() };
-        let usage = Usage { prompt_tokens: 5, completion_tokens: 3, cached_tokens: 0 };
+        let usage = Usage { prompt_tokens: 5, completion_tokens: 3, cached_tokens: 0, ..Default::default() };
         let end = End::Finished { reason: "tool_calls", usage, stop: None };
         enc.piece(piece("", "", vec![call], Some(end)), &mut out);
         assert_eq!(
@@ -227,7 +227,7 @@ mod tests {
         let (first, mut enc) = start("msg_01x", "m", 5, true);
         let mut out = VecDeque::from([first]);
         enc.piece(piece("secret", "", vec![], None), &mut out);
-        let usage = Usage { prompt_tokens: 5, completion_tokens: 3, cached_tokens: 0 };
+        let usage = Usage { prompt_tokens: 5, completion_tokens: 3, cached_tokens: 0, ..Default::default() };
         enc.piece(piece("", "Hi", vec![], Some(End::Finished { reason: "stop", usage, stop: None })), &mut out);
         let names = names(&out);
         assert_eq!(names[1..5], ["content_block_start", "ping", "content_block_stop", "content_block_start"]);

@@ -29,6 +29,9 @@ pub struct CommonParams {
     pub logprobs: LogprobsMode,
     /// OpenAI's `n`: choices generated for each prompt (1 unless asked).
     pub n: usize,
+    /// ferrolm's `speculative`: false keeps the server's speculative decoding off for this
+    /// request (the output is the same either way; only speed differs).
+    pub speculative: bool,
 }
 
 /// The most choices one request may ask for: each is a sequence of the engine's batch, so a
@@ -62,7 +65,17 @@ pub fn parse_common(body: &Map<String, Value>, cfg: &ServerConfig, vocab_size: u
         stop: stop_strings(body)?,
         logprobs,
         n: choices(body)?,
+        speculative: flag(body, "speculative", true)?,
     })
+}
+
+/// A boolean field (`default` when absent or null); anything else is a 400 naming it.
+fn flag(body: &Map<String, Value>, name: &str, default: bool) -> ApiResult<bool> {
+    match body.get(name) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(ApiError::invalid(format!("{name} must be of type bool"), Some(name))),
+    }
 }
 
 /// `n`: an integer in 1..=MAX_CHOICES; absent or null is 1.

@@ -19,16 +19,23 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub cached_tokens: usize,
+    /// Speculative decoding: draft tokens verified and kept (reported when any were drafted).
+    pub drafted: usize,
+    pub accepted: usize,
 }
 
 impl Usage {
     pub fn json(&self) -> Value {
-        json!({
+        let mut u = json!({
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        })
+        });
+        if self.drafted > 0 {
+            u["speculation"] = json!({"drafted": self.drafted, "accepted": self.accepted});
+        }
+        u
     }
 }
 

@@ -182,6 +182,7 @@ fn launch_group(
             max_tokens,
             sampling,
             prefill_chunk: state.config.prefill_chunk,
+            speculative: common.speculative,
             ..Default::default()
         };
         GenerationSpec { prompt: prompt.clone(), params, pipeline: pipeline.clone(), logprobs: common.logprobs }

@@ -170,7 +170,7 @@ mod tests {
         let m = assistant_message("", "", vec![]);
         assert!(m["content"].is_null());
         assert!(m.get("reasoning").is_none() && m.get("tool_calls").is_none());
-        let u = Usage { prompt_tokens: 3, completion_tokens: 2, cached_tokens: 1 };
+        let u = Usage { prompt_tokens: 3, completion_tokens: 2, cached_tokens: 1, ..Default::default() };
         assert_eq!(u.json()["total_tokens"], 5);
         assert_eq!(u.json()["prompt_tokens_details"]["cached_tokens"], 1);
         let calls = tool_calls_json(&[ToolCall { name: "f".into(), arguments: "{}".into() }], Some(2));

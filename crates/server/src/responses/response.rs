@@ -123,7 +123,7 @@ mod tests {
         let mut resp = skeleton("resp_1", "m", &body);
         assert_eq!(resp["instructions"], "be brief");
         assert_eq!(resp["store"], false);
-        let u = Usage { prompt_tokens: 3, completion_tokens: 2, cached_tokens: 0 };
+        let u = Usage { prompt_tokens: 3, completion_tokens: 2, cached_tokens: 0, ..Default::default() };
         finish(&mut resp, output_items("", "hi", &[]), "length", &u);
         assert_eq!(resp["status"], "incomplete");
         assert_eq!(resp["incomplete_details"]["reason"], "max_output_tokens");

@@ -247,7 +247,7 @@ mod tests {
         let mut p = piece("", vec![], None);
         p.delta.reasoning = "hmm".into();
         enc.piece(p, &mut out);
-        let usage = Usage { prompt_tokens: 4, completion_tokens: 5, cached_tokens: 0 };
+        let usage = Usage { prompt_tokens: 4, completion_tokens: 5, cached_tokens: 0, ..Default::default() };
         enc.piece(piece(" \nOK", vec![], Some(End::Finished { reason: "stop", usage, stop: None })), &mut out);
         let frames: Vec<Bytes> = out.into();
         assert_eq!(
@@ -279,7 +279,7 @@ mod tests {
         enc.piece(piece("Hel", vec![], None), &mut out);
         enc.piece(piece("lo", vec![], None), &mut out);
         let call = ToolCall { name: "f".into(), arguments: "{\"a\": 1}".into() };
-        let usage = Usage { prompt_tokens: 4, completion_tokens: 5, cached_tokens: 0 };
+        let usage = Usage { prompt_tokens: 4, completion_tokens: 5, cached_tokens: 0, ..Default::default() };
         enc.piece(piece("", vec![call], Some(End::Finished { reason: "tool_calls", usage, stop: None })), &mut out);
         let frames: Vec<Bytes> = out.into();
         assert_eq!(

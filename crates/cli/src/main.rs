@@ -25,7 +25,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve the model over an OpenAI-compatible HTTP API (drop-in for mlx_lm.server).
-    Serve(serve::Args),
+    // Boxed: its many flags make it far larger than the other commands' arguments.
+    Serve(Box<serve::Args>),
     /// Generate a completion for one prompt; text streams to stdout, stats to stderr.
     Generate(generate::Args),
     /// Measure prefill and decode speed on the model.
@@ -49,7 +50,7 @@ fn main() -> ExitCode {
     };
     init_logging(log_level);
     let result = match cli.command {
-        Command::Serve(args) => serve::run(args),
+        Command::Serve(args) => serve::run(*args),
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench::run(args),
         Command::DumpLogits(args) => dump_logits::run(args),

@@ -89,7 +89,7 @@ def test_mlx_lm_flags_are_accepted():
                "--prefill-step-size", "512", "--decode-concurrency", "4",
                # mlx-lm knobs without a ferrolm equivalent: accepted at their defaults only.
                "--prompt-concurrency", "8", "--prompt-cache-size", "10", "--log-level", "INFO",
-               "--allowed-origins", "http://a.example,http://b.example", "--num-draft-tokens", "3",
+               "--allowed-origins", "http://a.example,http://b.example", "--num-draft-tokens", "2",
                "--kv-group-size", "64", "--quantized-kv-start", "5000", "--prompt-cache-bytes", "1GB",
                "--trust-remote-code", "--host", "127.0.0.1")
     try:

@@ -102,7 +102,7 @@ def test_prompt_cache_bytes(started):
     assert r.returncode == 2 and "unknown unit" in r.stderr
 
 
-@pytest.mark.parametrize("flag,value", [("--num-draft-tokens", "2"), ("--prompt-concurrency", "2"),
+@pytest.mark.parametrize("flag,value", [("--prompt-concurrency", "2"),
                                         ("--prompt-cache-size", "4"), ("--kv-group-size", "32"),
                                         ("--quantized-kv-start", "0"), ("--pipeline", None),
                                         ("--draft-model", "x"), ("--adapter-path", "x")])

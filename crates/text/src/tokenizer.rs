@@ -3,13 +3,17 @@
 //! `parse_special = true`) for GGUF models; decoding is the concatenation of each token's exact
 //! bytes (llama.cpp `token_to_piece`), so streaming and one-shot decoding agree.
 
+use std::borrow::Cow;
 use std::path::Path;
+use std::sync::OnceLock;
 
 use anyhow::{Context, Result};
 
+use crate::bounded::{self, EncodeError, Sink};
 use crate::bpe::BpeModel;
+use crate::plain::{self, Controls};
 use crate::spec::TokenizerSpec;
-use crate::special::{partition, Fragment};
+use crate::special::{partition, Fragment, SpecialFinder};
 use crate::vocab::{attr, PieceStyle, Vocab};
 use crate::{hf, spm};
 
@@ -31,6 +35,16 @@ pub struct Tokenizer {
     add_eos: bool,
     add_space_prefix: bool,
     chat_template: Option<String>,
+    /// Bytes of text the longest token covers: a text of n bytes needs at least n / max_piece
+    /// tokens (the length check of bounded tokenization).
+    max_piece: usize,
+    /// Whether plain text may be tokenized in chunks (see `bounded.rs`).
+    chunkable: bool,
+    finder: SpecialFinder,
+    controls: Controls,
+    /// tokenizer.json models: a copy that reads special-token text as text, for spans that must
+    /// stay text (made on first use).
+    hf_plain: OnceLock<Box<tokenizers::Tokenizer>>,
 }
 
 impl Tokenizer {
@@ -55,7 +69,16 @@ impl Tokenizer {
                 anyhow::bail!("unsupported tokenizer model {other:?} (supported: gpt2, llama)")
             }
         };
+        let chunkable = match &model {
+            Model::Bpe(_) => true,
+            _ => !has_letter_space_piece(&vocab),
+        };
         Ok(Tokenizer {
+            max_piece: max_piece(&vocab),
+            chunkable,
+            finder: SpecialFinder::new(&vocab),
+            controls: Controls::new(&vocab),
+            hf_plain: OnceLock::new(),
             vocab,
             model,
             bos: spec.bos_id,
@@ -90,6 +113,12 @@ impl Tokenizer {
             add_eos: false,
             add_space_prefix: false,
             chat_template: files.chat_template.clone(),
+            max_piece: max_piece(&vocab),
+            // A tokenizer.json pipeline may prepend to every input (Metaspace, Prepend): whole.
+            chunkable: false,
+            finder: SpecialFinder::new(&vocab),
+            controls: Controls::new(&vocab),
+            hf_plain: OnceLock::new(),
             vocab,
             model: Model::Hf(Box::new(files.tokenizer)),
         })
@@ -109,35 +138,87 @@ impl Tokenizer {
         add_special: bool,
         parse_special: bool,
     ) -> Result<Vec<u32>> {
-        if let Model::Hf(tk) = &self.model {
-            let enc = tk
-                .encode_fast(text, add_special)
-                .map_err(|e| anyhow::anyhow!("tokenization failed: {e}"))?;
-            return Ok(enc.get_ids().to_vec());
-        }
-        let mut out = Vec::new();
-        if add_special && self.add_bos {
-            out.extend(self.bos);
-        }
-        self.encode_fragments(text, parse_special, &mut out)?;
-        if add_special && self.add_eos {
-            out.extend(self.eos);
-        }
-        Ok(out)
+        self.encode_spans(text, &[], add_special, parse_special, usize::MAX)
+            .map_err(|e| anyhow::anyhow!("{e}"))
     }
 
-    fn encode_fragments(&self, text: &str, parse_special: bool, out: &mut Vec<u32>) -> Result<()> {
+    /// [`Tokenizer::encode`] that gives up once the text is longer than `limit` tokens (or is
+    /// provably so from its length), having done work in proportion to `limit`.
+    pub fn encode_limited(&self, text: &str, add_special: bool, limit: usize) -> Result<Vec<u32>, EncodeError> {
+        self.encode_spans(text, &[], add_special, true, limit)
+    }
+
+    /// Content (a user message, a tool result, a document) to place into a chat template: its
+    /// control-token texts are hidden from the template and from special-token matching, and
+    /// [`Tokenizer::encode_prompt`] tokenizes them as plain text. Borrowed when there are none.
+    pub fn protect<'a>(&self, content: &'a str) -> Cow<'a, str> {
+        plain::protect(&self.controls, content)
+    }
+
+    /// A rendered chat prompt to ids, bounded like [`Tokenizer::encode_limited`]: the
+    /// template's own special-token text becomes control tokens, text that came from
+    /// [`Tokenizer::protect`]ed content never does.
+    pub fn encode_prompt(&self, rendered: &str, add_special: bool, limit: usize) -> Result<Vec<u32>, EncodeError> {
+        let (text, plain) = plain::restore(&self.vocab, rendered);
+        self.encode_spans(&text, &plain, add_special, true, limit)
+    }
+
+    /// The one encoder: `plain` ranges are never cut out as special tokens.
+    fn encode_spans(
+        &self,
+        text: &str,
+        plain: &[(usize, usize)],
+        add_special: bool,
+        parse_special: bool,
+        limit: usize,
+    ) -> Result<Vec<u32>, EncodeError> {
+        bounded::precheck(text.len(), self.max_piece, limit)?;
+        if let Model::Hf(tk) = &self.model {
+            if plain.is_empty() && parse_special {
+                // Hugging Face's own added-token matching, as before; counted once whole.
+                let enc = tk.encode_fast(text, add_special).map_err(|e| anyhow::anyhow!("tokenization failed: {e}"))?;
+                let mut sink = Sink::new(limit);
+                sink.out = enc.get_ids().to_vec();
+                sink.check()?;
+                return Ok(sink.out);
+            }
+        }
+        let mut sink = Sink::new(limit);
+        if add_special && self.add_bos {
+            if let Some(bos) = self.bos {
+                sink.push(bos)?;
+            }
+        }
+        self.encode_fragments(text, parse_special, plain, &mut sink)?;
+        if add_special && self.add_eos {
+            if let Some(eos) = self.eos {
+                sink.push(eos)?;
+            }
+        }
+        Ok(sink.out)
+    }
+
+    fn encode_fragments(
+        &self,
+        text: &str,
+        parse_special: bool,
+        plain: &[(usize, usize)],
+        sink: &mut Sink,
+    ) -> Result<(), EncodeError> {
         // SentencePiece adds its space prefix at the start and after every special token.
         let mut after_special = true;
-        for frag in partition(&self.vocab, text, parse_special) {
+        for frag in partition(&self.vocab, &self.finder, text, parse_special, plain) {
             match frag {
                 Fragment::Token(id) => {
-                    out.push(id);
+                    sink.push(id)?;
                     after_special = true;
                 }
                 Fragment::Text(a, b) => {
-                    self.encode_text(&text[a..b], after_special, out)?;
-                    after_special = false;
+                    for (c, d) in bounded::chunks(&text[a..b], self.chunkable) {
+                        self.encode_text(&text[a + c..a + d], after_special, &mut sink.out)?;
+                        after_special = false;
+                        sink.check()?;
+                    }
                 }
             }
         }
@@ -156,9 +237,19 @@ impl Tokenizer {
                 let escaped = format!("{prefix}{text}").replace(' ', "▁");
                 spm::encode_into(&self.vocab, scores, &escaped, out)
             }
-            // Never reached: Hugging Face tokenizers encode whole texts in `encode_with`.
-            Model::Hf(_) => {
-                anyhow::bail!("fragment encoding is not used for tokenizer.json models")
+            // Fragments between special tokens, as Hugging Face cuts them itself; special-token
+            // text inside is plain text here (only `encode_spans`' own cuts make tokens).
+            Model::Hf(tk) => {
+                let plain = self.hf_plain.get_or_init(|| {
+                    let mut copy = tk.clone();
+                    copy.set_encode_special_tokens(true);
+                    copy
+                });
+                let enc = plain
+                    .encode_fast(text, false)
+                    .map_err(|e| anyhow::anyhow!("tokenization failed: {e}"))?;
+                out.extend_from_slice(enc.get_ids());
+                Ok(())
             }
         }
     }
@@ -262,7 +353,23 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
+/// The most bytes of text one token stands for (at least 4: an unknown character's token
+/// covers up to 4 bytes).
+fn max_piece(vocab: &Vocab) -> usize {
+    (0..vocab.len() as u32).map(|id| vocab.piece(id).len()).max().unwrap_or(0).max(4)
+}
+
+/// Whether a piece holds an ASCII letter followed by a space: a SentencePiece merge could then
+/// cross a chunk cut, so such a vocabulary is tokenized whole.
+fn has_letter_space_piece(vocab: &Vocab) -> bool {
+    (0..vocab.len() as u32).any(|id| vocab.piece(id).windows(2).any(|w| w[0].is_ascii_alphabetic() && w[1] == b' '))
+}
+
 /// Context for errors about a file path.
 pub(crate) fn read_to_string(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
 }
+
+#[cfg(test)]
+#[path = "tokenizer_tests.rs"]
+mod tests;

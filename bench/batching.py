@@ -123,7 +123,17 @@ def load(url, clients, requests, max_tokens, base):
             "ttft_p50_s": statistics.median(ttfts), "ttft_p95_s": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))]}
 
 
+def private_copy(path):
+    """A copy of the binary that a concurrent build cannot replace halfway through the run."""
+    import shutil, tempfile
+    dst = Path(tempfile.mkdtemp()) / "ferrolm"
+    shutil.copy2(path, dst)
+    return str(dst)
+
+
 def main():
+    global BIN
+    BIN = private_copy(BIN)
     ap = argparse.ArgumentParser()
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
     ap.add_argument("--levels", default="1,4,16,64")

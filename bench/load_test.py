@@ -169,7 +169,17 @@ def disconnect(s):
     return (time.monotonic() - t0) * 1e3
 
 
+def private_copy(path):
+    """A copy of the binary that a concurrent build cannot replace halfway through the run."""
+    import shutil, tempfile
+    dst = Path(tempfile.mkdtemp()) / "ferrolm"
+    shutil.copy2(path, dst)
+    return str(dst)
+
+
 def main():
+    global BIN
+    BIN = private_copy(BIN)
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--clients", type=int, default=64)

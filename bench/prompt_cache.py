@@ -137,7 +137,17 @@ def restart(kv_dir):
     return out
 
 
+def private_copy(path):
+    """A copy of the binary that a concurrent build cannot replace halfway through the run."""
+    import shutil, tempfile
+    dst = Path(tempfile.mkdtemp()) / "ferrolm"
+    shutil.copy2(path, dst)
+    return str(dst)
+
+
 def main():
+    global BIN
+    BIN = private_copy(BIN)
     ap = argparse.ArgumentParser()
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
     ap.add_argument("--out", default=str(ROOT / "bench/results"))

@@ -114,3 +114,8 @@ fn prompt_lookup_gives_plain_decoding_s_output() {
 fn prompt_lookup_on_gemma3_s_sliding_windows() {
     check("gemma-3-270m-Q4_K_M.gguf", "gemma-3-270m-Q4_K_M.json");
 }
+
+#[test]
+fn prompt_lookup_on_qwen2() {
+    check("qwen2.5-coder-0.5b-instruct-Q4_K_M.gguf", "qwen2.5-coder-0.5b-instruct-Q4_K_M.json");
+}

@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""Speculative decoding over HTTP, one machine, one run: decode tok/s of plain decoding against
+prompt lookup (n-gram drafts), for ferrolm and for llama.cpp's llama-server on the same GGUF, on
+
+(a) a code edit: the model rewrites a ~200-line Python file given in the prompt with one
+    change (most of the answer repeats the prompt: where prompt lookup guesses well), and
+(b) open-ended chat (little to look up: speculation must not cost much).
+
+Greedy; each system's answer with speculation must equal its answer without (ferrolm's does by
+construction). Decode tok/s = answer tokens after the first / time from the first to the last.
+
+    python bench/speculation.py [--model PATH] [--llama-server PATH] [--out bench/results]
+"""
+import argparse
+import json
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = Path(os.environ.get("FERROLM_MODELS") or Path.home() / ".cache/ferrolm/models")
+BIN = os.environ.get("FERROLM_BIN") or str(ROOT / "target/release/ferrolm")
+
+
+def source_file():
+    """A plain ~200-line Python module (the file the model is asked to edit)."""
+    out = ["\"\"\"Inventory helpers.\"\"\"", "", "import math", ""]
+    for i in range(16):
+        out += [f"def item_{i}_total(prices, quantity):",
+                f"    \"\"\"Total of item {i}: the sum of its prices times the quantity.\"\"\"",
+                "    subtotal = 0.0",
+                "    for price in prices:",
+                "        subtotal += price",
+                f"    discount = {i + 1} / 100",
+                "    total = subtotal * quantity * (1 - discount)",
+                "    return math.floor(total * 100) / 100",
+                "", ""]
+    return "\n".join(out) + "\n"
+
+
+WORKLOADS = {
+    "code edit": ([{"role": "user", "content": "Here is a Python file:\n\n```python\n" + source_file() + "```\n\n"
+                    "Rewrite the whole file with the function `item_3_total` renamed to `item_three_total`. "
+                    "Output the complete file, every function, and nothing else."}], 1500),
+    "chat": ([{"role": "user", "content": "Write a short essay about the history of bridges."}], 256),
+}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd_for_port):
+    port = free_port()
+    proc = subprocess.Popen(cmd_for_port(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(1200):
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode})")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise RuntimeError("server not ready")
+
+
+def decode(url, messages, max_tokens):
+    """Streams one greedy answer: (decode tok/s, answer text, usage)."""
+    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    times, text, usage = [], "", None
+    with httpx.Client(timeout=1200) as h, h.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ch = json.loads(line[6:])
+            usage = ch.get("usage") or usage
+            if ch.get("choices") and ch["choices"][0]["delta"].get("content"):
+                times.append(time.perf_counter())
+                text += ch["choices"][0]["delta"]["content"]
+    n = (usage or {}).get("completion_tokens", len(times))
+    return (n - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0, text, usage
+
+
+def private_copy(path):
+    """A copy of the binary that a concurrent build cannot replace halfway through the run."""
+    import shutil, tempfile
+    dst = Path(tempfile.mkdtemp()) / "ferrolm"
+    shutil.copy2(path, dst)
+    return str(dst)
+
+
+def main():
+    global BIN
+    BIN = private_copy(BIN)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(MODELS / "qwen2.5-coder-0.5b-instruct-Q4_K_M.gguf"))
+    ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
+    ap.add_argument("--drafts", type=int, default=8)
+    ap.add_argument("--out", default=str(ROOT / "bench/results"))
+    a = ap.parse_args()
+    systems = {
+        "ferrolm": lambda p: [BIN, "serve", "--model", a.model, "--port", str(p)],
+        "ferrolm ngram": lambda p: [BIN, "serve", "--model", a.model, "--port", str(p), "--draft-kind", "ngram",
+                                    "--num-draft-tokens", str(a.drafts)],
+    }
+    if a.llama_server:
+        base = lambda p: [a.llama_server, "-m", a.model, "-t", "2", "-c", "8192", "--port", str(p), "--host", "127.0.0.1"]
+        systems["llama-server"] = base
+        systems["llama-server ngram"] = lambda p: base(p) + ["--spec-type", "ngram-simple", "--spec-draft-n-max", str(a.drafts)]
+    rows = []
+    for name, cmd in systems.items():
+        proc, url = start(cmd)
+        try:
+            for wl, (messages, max_tokens) in WORKLOADS.items():
+                decode(url, [{"role": "user", "content": "Hi"}], 4)  # warm-up
+                tps, text, usage = decode(url, messages, max_tokens)
+                rows.append({"system": name, "workload": wl, "decode_tps": tps, "text": text, "usage": usage})
+                spec = (usage or {}).get("speculation")
+                print(f"{name:18s} {wl:10s} {tps:6.1f} tok/s {usage.get('completion_tokens') if usage else '?'} tokens {spec or ''}", flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    write(rows, a, Path(a.out))
+
+
+def write(rows, a, out):
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": Path(a.model).name, "drafts": a.drafts,
+            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "speculation.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    by = {(r["system"], r["workload"]): r for r in rows}
+    lines = [f"# Speculative decoding over HTTP ({meta['date']}, commit {meta['commit']})", "",
+             f"`python bench/speculation.py`: {meta['model']}, greedy, up to {a.drafts} drafts per step. "
+             "Decode tok/s; × plain = the same system without speculation; same answer = the text equals that system's plain answer.", "",
+             "| workload | system | decode tok/s | × plain | same answer | drafted / accepted |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        plain = by.get((r["system"].replace(" ngram", ""), r["workload"]))
+        ratio = r["decode_tps"] / plain["decode_tps"] if plain and plain["decode_tps"] else 0
+        spec = (r["usage"] or {}).get("speculation") or {}
+        lines.append(f"| {r['workload']} | {r['system']} | {r['decode_tps']:.1f} | {ratio:.2f} | "
+                     f"{'yes' if plain and plain['text'] == r['text'] else 'NO'} | {spec.get('drafted', '—')} / {spec.get('accepted', '—')} |")
+    (out / "speculation.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

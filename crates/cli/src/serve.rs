@@ -95,9 +95,10 @@ pub struct Args {
     /// Not supported yet (refused).
     #[arg(long)]
     adapter_path: Option<String>,
-    /// Not supported yet (refused).
+    /// A draft model for speculative decoding (a GGUF file or folder sharing the model's
+    /// tokenizer; checked at load): it guesses, the model verifies several guesses per forward.
     #[arg(long)]
-    draft_model: Option<String>,
+    draft_model: Option<PathBuf>,
     /// Not supported yet (refused).
     #[arg(long)]
     kv_bits: Option<u32>,
@@ -172,12 +173,12 @@ impl Args {
             }),
             None => None,
         };
-        let spec = (self.draft_kind == "ngram").then(|| SpecConfig {
+        let spec = (self.draft_kind == "ngram" || self.draft_model.is_some()).then(|| SpecConfig {
             max_drafts: self.num_draft_tokens,
             ngram_min: self.ngram_min.max(1),
             ngram_max: self.ngram_max.max(self.ngram_min.max(1)),
         });
-        Ok(EngineConfig { queue_capacity: self.queue_size.max(1), batch, graph: GraphSettings::from_env(), kv_disk, spec })
+        Ok(EngineConfig { queue_capacity: self.queue_size.max(1), batch, graph: GraphSettings::from_env(), kv_disk, spec, draft: None })
     }
 }
 
@@ -214,7 +215,6 @@ impl Args {
         let changed = |v: Option<usize>, default: usize| v.is_some_and(|v| v != default);
         let refused = [
             ("--adapter-path", self.adapter_path.is_some(), "adapters"),
-            ("--draft-model", self.draft_model.is_some(), "speculative decoding"),
             ("--kv-bits", self.kv_bits.is_some(), "quantized KV caches"),
             ("--kv-group-size", changed(self.kv_group_size, 64), "quantized KV caches"),
             ("--quantized-kv-start", changed(self.quantized_kv_start, 5000), "quantized KV caches"),
@@ -312,10 +312,22 @@ pub fn run(args: Args) -> CliResult<()> {
         context_length,
         ..Default::default()
     };
-    let engine_config = args.engine_config(&bundle.path)?;
+    let mut engine_config = args.engine_config(&bundle.path)?;
+    engine_config.draft = load_draft(&args, &bundle)?;
     let engine = EngineHandle::spawn(Arc::new(bundle), engine_config);
     let state = Arc::new(AppState::new(engine, config, template_source.as_deref()));
     listen(&args, state, start)
+}
+
+/// The draft model (`--draft-model`), on the model's device, if it shares its tokenizer.
+fn load_draft(args: &Args, target: &bundle::Bundle) -> CliResult<Option<Arc<bundle::Bundle>>> {
+    let Some(path) = &args.draft_model else { return Ok(None) };
+    let progress = LoadProgress::new(model_label(Some(path)), 1, false);
+    let loaded = bundle::load_with_progress(Some(path), &args.device, 1, progress.callback());
+    progress.finish();
+    let draft = loaded.map_err(CliError::usage)?;
+    ferrolm_engine::draft::check_compatible(target, &draft).map_err(CliError::usage)?;
+    Ok(Some(Arc::new(draft)))
 }
 
 /// The model, with a progress bar on a terminal (plain lines on stderr otherwise).

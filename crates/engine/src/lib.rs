@@ -5,6 +5,7 @@
 
 pub mod bundle;
 pub mod config;
+pub mod draft;
 mod embed;
 mod gauges;
 mod generate;
@@ -25,5 +26,5 @@ pub use graph_decode::{DecodePath, GraphDecoder};
 pub use sampler::{Sampled, TokenSampler};
 pub use seq::{SeqRequest, Sink};
 pub use service::{EngineConfig, EngineHandle, Event, Request, SubmitError};
-pub use spec::{NgramProposer, Proposer, SpecConfig};
+pub use spec::{DraftModelProposer, NgramProposer, Proposer, SpecConfig};
 pub use step::{Batch, StepReport};

@@ -18,7 +18,7 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct EngineConfig {
     /// Requests that may wait for the engine; more are refused (HTTP 429).
     pub queue_capacity: usize,
@@ -26,13 +26,22 @@ pub struct EngineConfig {
     pub graph: GraphSettings,
     /// The prompt cache's disk tier, if any.
     pub kv_disk: Option<DiskSettings>,
-    /// Speculative decoding by prompt lookup, if on.
+    /// Speculative decoding, if on: by prompt lookup, or with `draft` when given (a model of
+    /// the target's vocabulary: `draft::check_compatible`).
     pub spec: Option<SpecConfig>,
+    pub draft: Option<Arc<Bundle>>,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { queue_capacity: 64, batch: BatchConfig::default(), graph: GraphSettings::default(), kv_disk: None, spec: None }
+        Self {
+            queue_capacity: 64,
+            batch: BatchConfig::default(),
+            graph: GraphSettings::default(),
+            kv_disk: None,
+            spec: None,
+            draft: None,
+        }
     }
 }
 
@@ -184,7 +193,10 @@ impl Worker {
     fn run(self, jobs: Receiver<Job>) {
         let model = self.bundle.model.as_ref();
         let mut batch = Batch::new(model, self.cfg.batch, self.cfg.graph);
-        batch.set_speculation(self.cfg.spec);
+        match (&self.cfg.draft, self.cfg.spec) {
+            (Some(draft), Some(spec)) => batch.set_draft_model(draft.model.as_ref(), spec),
+            (_, spec) => batch.set_speculation(spec),
+        }
         if let Some(d) = &self.cfg.kv_disk {
             match ferrolm_kv::DiskTier::open(&d.dir, d.max_bytes, &d.identity) {
                 Ok(tier) => batch.set_disk_tier(tier),

@@ -8,7 +8,7 @@
 use ferrolm_core::TokenId;
 
 /// Guesses continuations of a token history.
-pub trait Proposer: Send {
+pub trait Proposer {
     /// Up to `max` tokens that may follow `history` (prompt ++ generated).
     fn propose(&mut self, history: &[TokenId], max: usize) -> Vec<TokenId>;
 }
@@ -91,5 +91,66 @@ mod tests {
         let h = [9, 1, 2, 7, 8, 1, 2, 5, 1, 2];
         assert_eq!(p.propose(&h, 2), vec![5, 1]);
         assert_eq!(p.propose(&h, 0), Vec::<u32>::new());
+    }
+}
+
+/// A small model of the same vocabulary guesses greedily: its own cache follows the sequence
+/// (realigned to the tokens kept after each verification, the new ones forwarded), then it
+/// decodes up to `max` tokens one at a time.
+pub struct DraftModelProposer<'a> {
+    model: &'a dyn ferrolm_models::CausalLm,
+    cache: ferrolm_kv::SeqCache,
+    /// The tokens whose keys and values `cache` holds.
+    cached: Vec<TokenId>,
+}
+
+impl<'a> DraftModelProposer<'a> {
+    pub fn new(model: &'a dyn ferrolm_models::CausalLm) -> Self {
+        Self { model, cache: model.make_cache(), cached: Vec::new() }
+    }
+
+    /// The cache holding `tokens` (a prefix of it kept, the rest forwarded as prompt rows).
+    fn follow(&mut self, tokens: &[TokenId]) -> candle_core::Result<()> {
+        let common = self.cached.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+        let extra = self.cached.len() - common;
+        if self.cache.trim(extra) != extra {
+            (self.cache, self.cached) = (self.model.make_cache(), Vec::new());
+            return self.follow(tokens);
+        }
+        self.cached.truncate(common);
+        for chunk in tokens[common..].chunks(DRAFT_CHUNK) {
+            self.model.forward_hidden(&mut [ferrolm_models::SeqInput::prompt(chunk, &mut self.cache)])?;
+            self.cached.extend_from_slice(chunk);
+        }
+        Ok(())
+    }
+
+    fn draft(&mut self, history: &[TokenId], max: usize) -> candle_core::Result<Vec<TokenId>> {
+        let (pending, known) = history.split_last().expect("a decoding sequence has tokens");
+        self.follow(known)?;
+        let mut token = *pending;
+        let mut drafts = Vec::with_capacity(max);
+        for _ in 0..max {
+            let hidden = self.model.forward_hidden(&mut [ferrolm_models::SeqInput::decode(&[token], &mut self.cache)])?;
+            self.cached.push(token);
+            token = self.model.project_logits(&hidden)?.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?;
+            drafts.push(token);
+        }
+        Ok(drafts)
+    }
+}
+
+/// Prompt rows the draft model forwards at a time while it catches up with a sequence.
+const DRAFT_CHUNK: usize = 512;
+
+impl Proposer for DraftModelProposer<'_> {
+    fn propose(&mut self, history: &[TokenId], max: usize) -> Vec<TokenId> {
+        if max == 0 || history.is_empty() {
+            return Vec::new();
+        }
+        self.draft(history, max).unwrap_or_else(|e| {
+            tracing::warn!("draft model: {e}; no drafts this step");
+            Vec::new()
+        })
     }
 }

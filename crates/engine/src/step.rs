@@ -7,7 +7,7 @@ use crate::config::{BatchConfig, GraphSettings};
 use crate::graph_decode::{use_static_decode, GraphDecoder};
 use crate::scheduler::{self, Plan, SeqView};
 use crate::seq::{SeqRequest, Sequence};
-use crate::spec::{NgramProposer, SpecConfig};
+use crate::spec::{DraftModelProposer, NgramProposer, SpecConfig};
 use ferrolm_kv::{PromptCache, PromptCacheStats, SeqCache};
 use ferrolm_models::{CausalLm, SeqInput};
 use std::collections::VecDeque;
@@ -26,8 +26,9 @@ pub struct Batch<'a> {
     decoder: Option<GraphDecoder>,
     /// Prompt prefixes of finished sequences, reused by new ones (`--prompt-cache-bytes`).
     prompt_cache: Option<PromptCache>,
-    /// Speculative decoding by prompt lookup, when on.
+    /// Speculative decoding, when on: by prompt lookup, or by `draft` when set.
     spec: Option<SpecConfig>,
+    draft: Option<&'a dyn CausalLm>,
     next_id: u64,
 }
 
@@ -58,6 +59,7 @@ impl<'a> Batch<'a> {
             decoder: None,
             prompt_cache,
             spec: None,
+            draft: None,
             next_id: 0,
         }
     }
@@ -65,6 +67,13 @@ impl<'a> Batch<'a> {
     /// Speculates by prompt lookup for the requests added from now on (unless one opts out).
     pub fn set_speculation(&mut self, spec: Option<SpecConfig>) {
         self.spec = spec.filter(|s| s.max_drafts > 0);
+    }
+
+    /// Speculates with `draft`, a small model of the target's vocabulary (checked by the
+    /// caller), instead of prompt lookup.
+    pub fn set_draft_model(&mut self, draft: &'a dyn CausalLm, spec: SpecConfig) {
+        self.draft = Some(draft);
+        self.set_speculation(Some(spec));
     }
 
     /// Writes the prompt cache's entries to `disk` too, and finds entries there (also those of
@@ -120,7 +129,11 @@ impl<'a> Batch<'a> {
         let cache = self.cached_prefix(&req.prompt, cache);
         let mut seq = Sequence::new(id, req, cache);
         if let Some(spec) = &self.spec {
-            seq.set_proposer(Box::new(NgramProposer::new(spec)), spec.max_drafts);
+            let proposer: Box<dyn crate::spec::Proposer + 'a> = match self.draft {
+                Some(model) => Box::new(DraftModelProposer::new(model)),
+                None => Box::new(NgramProposer::new(spec)),
+            };
+            seq.set_proposer(proposer, spec.max_drafts);
         }
         if seq.max_kv_tokens() > self.kv_budget {
             seq.fail(format!("the request needs {} cache tokens, more than the KV budget of {}", seq.max_kv_tokens(), self.kv_budget));

@@ -118,8 +118,16 @@ impl<'a> DraftModelProposer<'a> {
             return self.follow(tokens);
         }
         self.cached.truncate(common);
+        // The prompt goes in as prompt rows; later tokens (those the target decoded) as decode
+        // rows, as the target computed them, so that a draft of the same weights guesses exactly
+        // what the target would.
+        let as_prompt = common == 0;
         for chunk in tokens[common..].chunks(DRAFT_CHUNK) {
-            self.model.forward_hidden(&mut [ferrolm_models::SeqInput::prompt(chunk, &mut self.cache)])?;
+            let input = match as_prompt {
+                true => ferrolm_models::SeqInput::prompt(chunk, &mut self.cache),
+                false => ferrolm_models::SeqInput::decode(chunk, &mut self.cache),
+            };
+            self.model.forward_hidden(&mut [input])?;
             self.cached.extend_from_slice(chunk);
         }
         Ok(())

@@ -35,6 +35,16 @@ impl Sink for Rec {
 /// Runs `prompts` together (or one by one when `together` is false) and returns each output
 /// and the number of steps taken.
 fn run(model: &dyn CausalLm, prompts: &[(Vec<u32>, SamplingParams)], spec: Option<SpecConfig>, together: bool) -> (Vec<Out>, usize) {
+    run_with(model, None, prompts, spec, together)
+}
+
+fn run_with(
+    model: &dyn CausalLm,
+    draft: Option<&dyn CausalLm>,
+    prompts: &[(Vec<u32>, SamplingParams)],
+    spec: Option<SpecConfig>,
+    together: bool,
+) -> (Vec<Out>, usize) {
     let cfg = BatchConfig { max_batch_tokens: 512, max_seqs: 16, kv_budget_bytes: 1 << 30, prompt_cache_bytes: 0 };
     let sampler_cfg = SamplerConfig { vocab_size: model.info().vocab_size, ..Default::default() };
     let mut outs = Vec::new();
@@ -42,7 +52,10 @@ fn run(model: &dyn CausalLm, prompts: &[(Vec<u32>, SamplingParams)], spec: Optio
     let groups: Vec<&[(Vec<u32>, SamplingParams)]> = if together { vec![prompts] } else { prompts.chunks(1).collect() };
     for group in groups {
         let mut batch = Batch::new(model, cfg, Default::default());
-        batch.set_speculation(spec);
+        match (draft, spec) {
+            (Some(d), Some(spec)) => batch.set_draft_model(d, spec),
+            _ => batch.set_speculation(spec),
+        }
         let recs: Vec<_> = group.iter().map(|_| Rc::new(RefCell::new(Out::default()))).collect();
         for ((prompt, sp), r) in group.iter().zip(&recs) {
             let req = SeqRequest {
@@ -118,4 +131,25 @@ fn prompt_lookup_on_gemma3_s_sliding_windows() {
 #[test]
 fn prompt_lookup_on_qwen2() {
     check("qwen2.5-coder-0.5b-instruct-Q4_K_M.gguf", "qwen2.5-coder-0.5b-instruct-Q4_K_M.json");
+}
+
+/// A draft model (here a second copy of the model itself: its greedy guesses are the target's
+/// own, computed one token at a time): the same output, and every greedy draft accepted.
+#[test]
+fn a_draft_model_gives_plain_decoding_s_output() {
+    let (Some(model), Some(draft)) = (open_model("SmolLM2-135M-Instruct.Q4_1.gguf"), open_model("SmolLM2-135M-Instruct.Q4_1.gguf")) else { return };
+    let ps = prompts("SmolLM2-135M-Instruct.Q4_1.json");
+    let spec = Some(SpecConfig { max_drafts: 4, ngram_min: 2, ngram_max: 4 });
+    let (plain, _) = run(model.as_ref(), &ps, None, false);
+    for together in [false, true] {
+        let (fast, _) = run_with(model.as_ref(), Some(draft.as_ref()), &ps, spec, together);
+        for (i, (a, b)) in plain.iter().zip(&fast).enumerate() {
+            assert!(a.trace == b.trace, "prompt {i} (batched: {together}) differs with a draft model");
+            let s = b.stats.as_ref().unwrap();
+            assert!(s.drafted_tokens > 0, "prompt {i}: nothing drafted");
+            if ps[i].1.temperature == 0.0 {
+                assert_eq!(s.accepted_tokens, s.drafted_tokens, "prompt {i}: a self-draft's greedy guesses are all right");
+            }
+        }
+    }
 }

@@ -49,13 +49,14 @@ def test_metrics_are_prometheus_text(server, client, http):
     assert m["ferrolm_time_to_first_token_seconds_count"] >= 1
 
 
-def test_cors_like_mlx_lm(http):
-    r = http.options("/v1/chat/completions", headers={"Origin": "http://example.com"})
-    assert r.status_code == 204
-    assert r.headers["access-control-allow-origin"] == "*"
-    assert r.headers["access-control-allow-methods"] == "*"
+def test_cors_is_off_by_default(http):
+    # mlx_lm.server allows every origin; ferrolm none unless --cors-origin (test_access.py).
     r = http.get("/health", headers={"Origin": "http://example.com"})
-    assert r.headers["access-control-allow-origin"] == "*"
+    assert r.status_code == 200
+    assert "access-control-allow-origin" not in r.headers
+    r = http.post("/v1/chat/completions", headers={"Origin": "http://example.com"}, json={})
+    assert r.status_code == 403
+    assert r.json()["error"]["code"] == "origin_not_allowed"
 
 
 def test_unknown_paths_and_methods_are_openai_errors(http):

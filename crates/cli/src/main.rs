@@ -44,11 +44,11 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let log_level = match &cli.command {
-        Command::Serve(args) => args.log_level.as_deref(),
-        _ => None,
+    let (log_level, json) = match &cli.command {
+        Command::Serve(args) => (args.log_level.as_deref(), args.log_format == "json"),
+        _ => (None, false),
     };
-    init_logging(log_level);
+    init_logging(log_level, json);
     let result = match cli.command {
         Command::Serve(args) => serve::run(*args),
         Command::Generate(args) => generate::run(args),
@@ -66,17 +66,31 @@ fn main() -> ExitCode {
 }
 
 /// Logs go to stderr, filtered by `serve --log-level` (mlx_lm.server's level names), else by
-/// `FERROLM_LOG` (tracing's filter syntax, e.g. `ferrolm_server=debug`), else warnings and errors.
-fn init_logging(level: Option<&str>) {
+/// `FERROLM_LOG` (tracing's filter syntax, e.g. `ferrolm_server=debug`), else warnings and
+/// errors. The one line per request (target `ferrolm::access`) is on at every level but ERROR
+/// and CRITICAL, as mlx_lm.server prints its access lines. Colours only on a terminal; JSON
+/// objects with `serve --log-format json`.
+fn init_logging(level: Option<&str>, json: bool) {
+    use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
-    let filter = match level {
-        Some("DEBUG") => EnvFilter::new("debug"),
-        Some("INFO") => EnvFilter::new("info"),
-        Some("WARNING") => EnvFilter::new("warn"),
-        Some(_) => EnvFilter::new("error"),
-        None => EnvFilter::try_from_env("FERROLM_LOG").unwrap_or_else(|_| "warn".into()),
+    let directives = match level {
+        Some("DEBUG") => "debug".to_string(),
+        Some("INFO") => "info".to_string(),
+        Some("WARNING") => "warn,ferrolm::access=info".to_string(),
+        Some(_) => "error".to_string(),
+        None => match std::env::var("FERROLM_LOG") {
+            Ok(f) if f.contains("ferrolm::access") => f,
+            Ok(f) => format!("{f},ferrolm::access=info"),
+            Err(_) => "warn,ferrolm::access=info".to_string(),
+        },
     };
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let filter = EnvFilter::try_new(&directives).unwrap_or_else(|_| EnvFilter::new("warn,ferrolm::access=info"));
+    let fmt = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if json {
+        fmt.json().flatten_event(true).with_current_span(false).init();
+    } else {
+        fmt.with_ansi(std::io::stderr().is_terminal()).init();
+    }
 }
 
 /// Runs the CUDA kernel self-checks and prints one line per check; fails if any check fails.

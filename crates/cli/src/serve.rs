@@ -12,12 +12,14 @@ use ferrolm_engine::{bundle, BatchConfig, DiskSettings, EngineConfig, EngineHand
 use ferrolm_models::GenerationConfig;
 use crate::banner;
 use crate::progress::{model_label, LoadProgress};
+use ferrolm_server::http::access::AccessConfig;
+use ferrolm_server::http::HttpLimits;
 use ferrolm_server::{AppState, ServerConfig, SharedState};
 use ferrolm_text::ChatTemplate;
 use serde_json::{Map, Value};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -39,9 +41,38 @@ pub struct Args {
     /// 0 picks a free port (the line printed at start says which).
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Comma-separated CORS origins; `*` allows all.
-    #[arg(long, default_value = "*", value_delimiter = ',')]
-    allowed_origins: Vec<String>,
+    /// An origin (e.g. http://localhost:3000) whose web pages may call the server (CORS);
+    /// repeat it or separate by commas; `*` allows all [default: none: cross-origin requests
+    /// are refused].
+    #[arg(long = "cors-origin", visible_alias = "allowed-origins", value_delimiter = ',')]
+    cors_origin: Vec<String>,
+    /// An API key clients must send, as `Authorization: Bearer KEY` or `x-api-key: KEY` (every
+    /// route but /health); repeat for several. Also from FERROLM_API_KEY (comma-separated),
+    /// which keeps keys out of the process list [default: none: no key needed].
+    #[arg(long = "api-key", env = "FERROLM_API_KEY", value_delimiter = ',', hide_env_values = true)]
+    api_key: Vec<String>,
+    /// A Host name to accept besides loopback names and the bound address (when bound to
+    /// loopback, other Host values are refused: the DNS-rebinding guard); repeatable.
+    #[arg(long = "allowed-host", value_delimiter = ',')]
+    allowed_host: Vec<String>,
+    /// The largest request body read: bytes, or with M/MB/G/GB; larger bodies get 413.
+    #[arg(long, value_parser = parse_size, default_value_t = 16 << 20)]
+    max_body_bytes: usize,
+    /// Seconds a request head may take to arrive (also how long an idle connection stays open).
+    #[arg(long, default_value_t = 10.0, value_parser = seconds)]
+    header_timeout: f64,
+    /// Seconds a request body may take to arrive after its head.
+    #[arg(long, default_value_t = 60.0, value_parser = seconds)]
+    read_timeout: f64,
+    /// Open connections at most; more are answered 503 and closed.
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u32).range(1..))]
+    max_connections: u32,
+    /// Log each request's prompt text in its log line (never logged otherwise).
+    #[arg(long)]
+    log_prompts: bool,
+    /// Log lines as text or as JSON objects, one per line.
+    #[arg(long, default_value = "text", value_parser = ["text", "json"])]
+    pub log_format: String,
     /// Default sampling temperature [default: generation_config.json's, else 0.0].
     #[arg(long, visible_alias = "temperature")]
     temp: Option<f32>,
@@ -186,6 +217,14 @@ const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['r
 message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}\
 {{ '<|im_start|>assistant\n' }}{% endif %}";
 
+/// A positive number of seconds.
+fn seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
+        _ => Err(format!("{s:?} is not a positive number of seconds")),
+    }
+}
+
 fn json_object(s: &str) -> Result<Map<String, Value>, String> {
     match serde_json::from_str(s) {
         Ok(Value::Object(m)) => Ok(m),
@@ -300,16 +339,19 @@ pub fn run(args: Args) -> CliResult<()> {
         bundle.template = Some(template);
     }
     let template_source = template_override.or_else(|| bundle.tokenizer.chat_template().map(str::to_string));
+    let (http, access) = args.http_settings();
     let config = ServerConfig {
         sampling,
         max_tokens: args.max_tokens,
         chat_template_args: args.chat_template_args.clone(),
-        allowed_origins: args.allowed_origins.clone(),
         prefill_chunk: args.prefill_step_size.max(1),
         model_id: args.alias.clone().unwrap_or_else(|| bundle.name.clone()),
         fault_injection: std::env::var("FERROLM_TEST_FAULTS").as_deref() == Ok("1"),
         responses_store_size: args.responses_store_size,
         context_length,
+        http,
+        access,
+        log_prompts: args.log_prompts,
         ..Default::default()
     };
     let mut engine_config = args.engine_config(&bundle.path)?;
@@ -328,6 +370,33 @@ fn load_draft(args: &Args, target: &bundle::Bundle) -> CliResult<Option<Arc<bund
     let draft = loaded.map_err(CliError::usage)?;
     ferrolm_engine::draft::check_compatible(target, &draft).map_err(CliError::usage)?;
     Ok(Some(Arc::new(draft)))
+}
+
+impl Args {
+    /// The HTTP layer's limits and the access settings (keys, origins, hosts, bound address).
+    fn http_settings(&self) -> (HttpLimits, AccessConfig) {
+        let http = HttpLimits {
+            max_body_bytes: self.max_body_bytes,
+            header_timeout: Duration::from_secs_f64(self.header_timeout),
+            read_timeout: Duration::from_secs_f64(self.read_timeout),
+            max_connections: self.max_connections as usize,
+            ..Default::default()
+        };
+        let mut access = AccessConfig {
+            cors_origins: self.cors_origin.iter().map(|o| o.trim().to_string()).filter(|o| !o.is_empty()).collect(),
+            allowed_hosts: self.allowed_host.iter().map(|h| h.trim().to_string()).filter(|h| !h.is_empty()).collect(),
+            bind: bind_ip(&self.host),
+            ..Default::default()
+        };
+        access.set_api_keys(self.api_key.iter().map(|k| k.trim()));
+        (http, access)
+    }
+}
+
+/// The address `--host` names (the first it resolves to).
+fn bind_ip(host: &str) -> Option<std::net::IpAddr> {
+    use std::net::ToSocketAddrs;
+    (host, 0).to_socket_addrs().ok()?.next().map(|a| a.ip())
 }
 
 /// The model, with a progress bar on a terminal (plain lines on stderr otherwise).
@@ -357,6 +426,12 @@ fn listen(args: &Args, state: SharedState, start: Instant) -> CliResult<()> {
             .await
             .map_err(|e| CliError::usage(format!("cannot listen on {}:{}: {e}", args.host, args.port)))?;
         let addr = listener.local_addr().map_err(CliError::runtime)?;
+        if !addr.ip().is_loopback() && state.config.access.api_keys.is_empty() {
+            tracing::warn!(
+                "listening on {addr} without an API key: anyone who can reach this address can use the model \
+                 (set --api-key or FERROLM_API_KEY)"
+            );
+        }
         let bundle = state.bundle();
         println!("ferrolm serve: {} at http://{addr} (ready in {:.2} s)", bundle.path.display(), start.elapsed().as_secs_f64());
         let model = &bundle.model;

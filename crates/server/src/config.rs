@@ -1,6 +1,8 @@
 //! Server settings, resolved once at start from the `serve` flags. Request fields override the
 //! sampling defaults here (request > server flag > built-in).
 
+use crate::http::access::AccessConfig;
+use crate::http::HttpLimits;
 use ferrolm_core::SamplingParams;
 use serde_json::{Map, Value};
 
@@ -13,8 +15,6 @@ pub struct ServerConfig {
     /// `--chat-template-args`: extra template variables; a request's `chat_template_kwargs`
     /// override them key by key.
     pub chat_template_args: Map<String, Value>,
-    /// `--allowed-origins`: CORS; `*` allows every origin.
-    pub allowed_origins: Vec<String>,
     /// `--prefill-step-size`.
     pub prefill_chunk: usize,
     /// The id the model is served under (echoed in `model`, listed by `/v1/models`).
@@ -31,6 +31,12 @@ pub struct ServerConfig {
     /// `--ctx-size`: the context window requests may use (prompt + completion), at most the
     /// model's; None: the model's.
     pub context_length: Option<usize>,
+    /// Body, header and connection limits and timeouts of the HTTP layer.
+    pub http: HttpLimits,
+    /// API keys, CORS origins, the Host check.
+    pub access: AccessConfig,
+    /// `--log-prompts`: the prompt's text in each request's log line.
+    pub log_prompts: bool,
 }
 
 impl Default for ServerConfig {
@@ -39,13 +45,15 @@ impl Default for ServerConfig {
             sampling: SamplingParams::default(),
             max_tokens: 512,
             chat_template_args: Map::new(),
-            allowed_origins: vec!["*".into()],
             prefill_chunk: 2048,
             model_id: "default_model".into(),
             keepalive_secs: 2.0,
             fault_injection: false,
             responses_store_size: 256,
             context_length: None,
+            http: HttpLimits::default(),
+            access: AccessConfig::default(),
+            log_prompts: false,
         }
     }
 }

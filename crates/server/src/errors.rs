@@ -93,6 +93,66 @@ impl ApiError {
         }
     }
 
+    /// An error of the HTTP layer with its own status (408, 413, 414, 431…).
+    pub fn http_status(status: u16, message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST),
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    /// 400 for what hyper could not parse as HTTP (a bad request line or header).
+    pub fn bad_request_line() -> Self {
+        Self::http_status(400, "Bad request: the request line or a header is not valid HTTP/1.1").with_code("bad_request")
+    }
+
+    /// 431 (headers) or 414 (URI) beyond the HTTP layer's limit.
+    pub fn head_too_large(status: u16) -> Self {
+        let what = if status == 414 { "The request URI is too long" } else { "The request headers are too large" };
+        Self::http_status(status, what).with_code("request_too_large")
+    }
+
+    /// 408: the request (head or body) did not arrive in time.
+    pub fn timeout(message: impl Into<String>) -> Self {
+        Self::http_status(408, message).with_code("request_timeout")
+    }
+
+    /// 413: a body beyond `--max-body-bytes`.
+    pub fn body_too_large(limit: usize) -> Self {
+        Self::http_status(413, format!("The request body is larger than the server's limit of {limit} bytes (--max-body-bytes)"))
+            .with_code("request_too_large")
+    }
+
+    /// 401 for a missing or wrong API key (OpenAI's type and code for it).
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("invalid_api_key"),
+        }
+    }
+
+    /// 403: the request is not allowed from where it came (Host, Origin).
+    pub fn forbidden(message: impl Into<String>, code: &'static str) -> Self {
+        ApiError { status: StatusCode::FORBIDDEN, message: message.into(), kind: "permission_error", param: None, code: Some(code) }
+    }
+
+    /// 503: every connection slot is taken.
+    pub fn too_many_connections() -> Self {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: "The server has too many open connections. Retry later.".into(),
+            kind: "server_error",
+            param: None,
+            code: Some("too_many_connections"),
+        }
+    }
+
     pub fn with_code(mut self, code: &'static str) -> Self {
         self.code = Some(code);
         self
@@ -113,7 +173,7 @@ impl ApiError {
 impl ApiError {
     pub fn anthropic_body(&self) -> Value {
         let kind = match self.status.as_u16() {
-            400 | 405 | 422 => "invalid_request_error",
+            400 | 405 | 408 | 414 | 422 | 431 => "invalid_request_error",
             401 => "authentication_error",
             403 => "permission_error",
             404 => "not_found_error",
@@ -130,9 +190,11 @@ impl ApiError {
         self.respond(body)
     }
 
-    /// The response with `body`; a full queue says when to retry, in either shape.
+    /// The response with `body`; a full queue says when to retry, in either shape. The message
+    /// rides along in the response's extensions for the access log.
     fn respond(self, body: Value) -> Response {
         let mut response = (self.status, axum::Json(body)).into_response();
+        response.extensions_mut().insert(ErrorNote(self.message.clone()));
         // A full queue drains within seconds: tell clients (and SDKs' retry logic) when to retry.
         if self.status == StatusCode::TOO_MANY_REQUESTS {
             response.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
@@ -149,6 +211,10 @@ impl IntoResponse for ApiError {
 }
 
 pub type ApiResult<T> = Result<T, ApiError>;
+
+/// An error response's message, for the request's log line.
+#[derive(Clone, Debug)]
+pub struct ErrorNote(pub String);
 
 #[cfg(test)]
 mod tests {

@@ -4,6 +4,7 @@
 //! it: the engine stops at its next prefill chunk or decode step and frees the request's caches.
 
 use crate::errors::{ApiError, ApiResult};
+use crate::http::log::RequestLog;
 use crate::pipeline::{Delta, PipelineConfig, TextPipeline};
 use crate::protocol::logprobs;
 use crate::protocol::request::LogprobsMode;
@@ -48,6 +49,8 @@ pub struct Generation {
     cancel: CancelToken,
     pipeline: TextPipeline,
     logprobs: LogprobsMode,
+    /// The request's log record: first token, usage and finish reason go there.
+    log: RequestLog,
     arrived: Instant,
     last_token: Option<Instant>,
     prompt_tokens: usize,
@@ -62,9 +65,12 @@ pub struct Generation {
 impl Generation {
     /// Queues generations of one prompt (OpenAI's `n` choices, each with its own sampling
     /// parameters): the engine computes the prompt once and copies its cache for the others.
-    /// `arrived` is when the HTTP request came in (for TTFT).
-    pub fn start_group(state: &SharedState, specs: Vec<GenerationSpec>, arrived: Instant) -> ApiResult<Vec<Self>> {
+    /// TTFT counts from when the HTTP request came in (`log.arrived()`).
+    pub fn start_group(state: &SharedState, specs: Vec<GenerationSpec>, log: &RequestLog) -> ApiResult<Vec<Self>> {
         let prompt_tokens = specs.first().map_or(0, |s| s.prompt.len());
+        if let Some(first) = specs.first() {
+            log.prompt(|| state.bundle().tokenizer.decode(&first.prompt, false));
+        }
         let mut requests = Vec::with_capacity(specs.len());
         let mut rest = Vec::with_capacity(specs.len());
         for spec in specs {
@@ -79,12 +85,15 @@ impl Generation {
         })?;
         // The prompt is computed once however many choices share it.
         state.metrics.prompt_tokens(prompt_tokens);
+        log.prompt_tokens(prompt_tokens);
+        let arrived = log.arrived();
         let gens = receivers.into_iter().zip(rest).map(|(events, (cancel, pipeline, logprobs))| Generation {
             state: state.clone(),
             events,
             cancel,
             pipeline: TextPipeline::new(pipeline),
             logprobs,
+            log: log.clone(),
             arrived,
             last_token: None,
             prompt_tokens,
@@ -156,7 +165,10 @@ impl Generation {
         let metrics = &self.state.metrics;
         metrics.generated_token();
         match self.last_token {
-            None => metrics.ttft((now - self.arrived).as_secs_f64()),
+            None => {
+                metrics.ttft((now - self.arrived).as_secs_f64());
+                self.log.first_token();
+            }
             Some(prev) => metrics.inter_token((now - prev).as_secs_f64()),
         }
         self.last_token = Some(now);
@@ -193,12 +205,18 @@ impl Generation {
         self.add(tail);
         self.ended = true;
         self.state.metrics.duration(self.arrived.elapsed().as_secs_f64());
-        self.pending.end = Some(match end {
+        let end = match end {
             End::Finished { reason, usage, stop } if self.saw_tool_calls && reason == "stop" => {
                 End::Finished { reason: "tool_calls", usage, stop }
             }
             e => e,
-        });
+        };
+        let reason = match &end {
+            End::Finished { reason, .. } => reason,
+            End::Failed(_) => "error",
+        };
+        self.log.finished(self.completion_tokens, reason);
+        self.pending.end = Some(end);
     }
 
     /// A stop string or the engine's observed cause; tool calls turn `stop` into `tool_calls`.
@@ -218,6 +236,7 @@ impl Drop for Generation {
         if !self.ended {
             self.cancel.cancel();
             self.state.metrics.cancelled();
+            self.log.finished(self.completion_tokens, "cancelled");
         }
     }
 }

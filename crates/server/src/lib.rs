@@ -11,6 +11,7 @@ pub mod config;
 mod embeddings;
 pub mod errors;
 mod generation;
+pub mod http;
 pub mod metrics;
 mod openai_stream;
 pub mod pipeline;
@@ -24,14 +25,4 @@ pub use config::ServerConfig;
 pub use routes::router;
 pub use state::{AppState, SharedState};
 
-use std::future::Future;
-use tokio::net::TcpListener;
-
-/// Serves `state` on `listener` until `shutdown` resolves.
-pub async fn serve(
-    state: SharedState,
-    listener: TcpListener,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
-}
+pub use http::serve::serve;

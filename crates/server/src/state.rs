@@ -23,6 +23,8 @@ pub struct AppState {
     pub responses: ResponseStore,
     /// One `/v1/embeddings` computation at a time: each forward already takes every core.
     pub embed_gate: Arc<tokio::sync::Semaphore>,
+    /// Unknown request fields already warned about (one warning per name).
+    pub warned_fields: crate::protocol::fields::WarnedFields,
 }
 
 pub type SharedState = Arc<AppState>;
@@ -44,6 +46,7 @@ impl AppState {
             template_has_tools,
             responses,
             embed_gate: Arc::new(tokio::sync::Semaphore::new(1)),
+            warned_fields: Default::default(),
         }
     }
 

@@ -4,7 +4,7 @@
 //! stops, sampling, the text pipeline); only the bodies ([`response`]), the event stream
 //! ([`stream`]) and the error shape are Anthropic's. Claude Code's extras (`?beta=true`, the
 //! `anthropic-version` / `anthropic-beta` / `x-api-key` headers, `cache_control` on blocks)
-//! are accepted; there is no authentication.
+//! are accepted; `x-api-key` is checked when the server has API keys (`crate::http::access`).
 
 mod request;
 mod response;
@@ -12,6 +12,8 @@ mod stream;
 mod tools;
 
 use crate::errors::{ApiError, ApiResult};
+use crate::http::log::RequestLog;
+use crate::protocol::fields;
 use crate::protocol::chat::ChatRequest;
 use crate::protocol::request::{parse_body, CommonParams};
 use crate::protocol::response::Usage;
@@ -21,15 +23,14 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Json, Response};
 use serde_json::{json, Map, Value};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-pub async fn messages(State(state): State<SharedState>, body: Bytes) -> Response {
-    let arrived = Instant::now();
-    guarded_as(run(&state, &body, arrived), ApiError::into_anthropic_response).await
+pub async fn messages(State(state): State<SharedState>, log: RequestLog, body: Bytes) -> Response {
+    guarded_as(run(&state, &body, &log), ApiError::into_anthropic_response).await
 }
 
-pub async fn count_tokens(State(state): State<SharedState>, body: Bytes) -> Response {
-    guarded_as(count(&state, &body), ApiError::into_anthropic_response).await
+pub async fn count_tokens(State(state): State<SharedState>, log: RequestLog, body: Bytes) -> Response {
+    guarded_as(count(&state, &body, &log), ApiError::into_anthropic_response).await
 }
 
 /// The chat request a Messages body stands for (its prefill included).
@@ -49,8 +50,9 @@ fn parse(state: &SharedState, body: &Map<String, Value>, count_only: bool) -> Ap
     Ok(Parsed { common, chat, no_output: t.no_output, hide_thinking: t.hide_thinking })
 }
 
-async fn run(state: &SharedState, body: &[u8], arrived: Instant) -> ApiResult<Response> {
+async fn run(state: &SharedState, body: &[u8], log: &RequestLog) -> ApiResult<Response> {
     let body = parse_body(body)?;
+    fields::MESSAGES.check(&body, log, &state.warned_fields)?;
     let parsed = parse(state, &body, false)?;
     let id = response::id("msg_");
     let model = &state.config.model_id;
@@ -61,7 +63,7 @@ async fn run(state: &SharedState, body: &[u8], arrived: Instant) -> ApiResult<Re
     let p = chat::prepare_parsed(state, parsed.common, parsed.chat).await?;
     let prompt_tokens = p.prompt.len();
     let stream = p.common.stream;
-    let mut gen = launch(state, &body, &p.common, p.prompt, p.max_tokens, p.pipeline, arrived)?;
+    let mut gen = launch(state, &body, &p.common, p.prompt, p.max_tokens, p.pipeline, log)?;
     if stream {
         let (first, encoder) = stream::start(&id, model, prompt_tokens, hide_thinking);
         let keepalive = Duration::from_secs_f64(state.config.keepalive_secs);
@@ -107,8 +109,9 @@ async fn without_output(state: &SharedState, parsed: Parsed, id: &str) -> ApiRes
 }
 
 /// `{"input_tokens": n}`: the prompt the same request would run, rendered and tokenized.
-async fn count(state: &SharedState, body: &[u8]) -> ApiResult<Response> {
+async fn count(state: &SharedState, body: &[u8], log: &RequestLog) -> ApiResult<Response> {
     let body = parse_body(body)?;
+    fields::MESSAGES.check(&body, log, &state.warned_fields)?;
     let rendered = prompt::chat(state, parse(state, &body, true)?.chat).await?;
     Ok(Json(json!({"input_tokens": rendered.ids.len()})).into_response())
 }

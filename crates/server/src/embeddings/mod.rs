@@ -7,6 +7,8 @@ mod request;
 mod response;
 
 use crate::errors::{ApiError, ApiResult};
+use crate::http::log::RequestLog;
+use crate::protocol::fields;
 use crate::protocol::request::parse_body;
 use crate::routes::guarded_as;
 use crate::state::SharedState;
@@ -18,12 +20,13 @@ use ferrolm_engine::Bundle;
 use request::Input;
 use std::sync::Arc;
 
-pub async fn create(State(state): State<SharedState>, body: Bytes) -> Response {
-    guarded_as(run(&state, &body), ApiError::into_response).await
+pub async fn create(State(state): State<SharedState>, log: RequestLog, body: Bytes) -> Response {
+    guarded_as(run(&state, &body, &log), ApiError::into_response).await
 }
 
-async fn run(state: &SharedState, body: &[u8]) -> ApiResult<Response> {
+async fn run(state: &SharedState, body: &[u8], log: &RequestLog) -> ApiResult<Response> {
     let body = parse_body(body)?;
+    fields::EMBEDDINGS.check(&body, log, &state.warned_fields)?;
     let bundle = state.bundle().clone();
     let Some(dim) = bundle.embedding_dim() else {
         return Err(ApiError::invalid(

@@ -2,6 +2,7 @@
 //! logprobs, and tools for templates that do not take them.
 
 pub mod chat;
+pub mod fields;
 pub mod logprobs;
 pub mod request;
 pub mod response;

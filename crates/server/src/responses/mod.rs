@@ -12,6 +12,8 @@ mod stream;
 pub use store::ResponseStore;
 
 use crate::errors::{ApiError, ApiResult};
+use crate::http::log::RequestLog;
+use crate::protocol::fields;
 use crate::protocol::request::parse_body;
 use crate::routes::{chat, finished, guarded_as, launch};
 use crate::state::SharedState;
@@ -19,12 +21,11 @@ use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Json, Response};
 use serde_json::{json, Map, Value};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use store::Stored;
 
-pub async fn create(State(state): State<SharedState>, body: Bytes) -> Response {
-    let arrived = Instant::now();
-    guarded_as(run(&state, &body, arrived), ApiError::into_response).await
+pub async fn create(State(state): State<SharedState>, log: RequestLog, body: Bytes) -> Response {
+    guarded_as(run(&state, &body, &log), ApiError::into_response).await
 }
 
 pub async fn get(State(state): State<SharedState>, Path(id): Path<String>) -> Response {
@@ -68,15 +69,16 @@ fn store_flag(body: &Map<String, Value>) -> ApiResult<bool> {
     }
 }
 
-async fn run(state: &SharedState, body: &[u8], arrived: Instant) -> ApiResult<Response> {
+async fn run(state: &SharedState, body: &[u8], log: &RequestLog) -> ApiResult<Response> {
     let body = parse_body(body)?;
+    fields::RESPONSES.check(&body, log, &state.warned_fields)?;
     let store = store_flag(&body)?;
     let mut conversation = history(state, &body)?;
     let t = request::translate(&body, &conversation)?;
     let p = chat::prepare(state, &t.chat).await?;
     conversation.extend(t.input);
     let stream = p.common.stream;
-    let mut gen = launch(state, &body, &p.common, p.prompt, p.max_tokens, p.pipeline, arrived)?;
+    let mut gen = launch(state, &body, &p.common, p.prompt, p.max_tokens, p.pipeline, log)?;
     let id = response::id("resp");
     let mut object = response::skeleton(&id, &state.config.model_id, &body);
     if stream {

@@ -7,7 +7,9 @@ use super::{start, Prepared, Started};
 use crate::choices::UsageSum;
 use crate::errors::ApiResult;
 use crate::pipeline::PipelineConfig;
+use crate::http::log::RequestLog;
 use crate::protocol::chat::{parse_chat, ChatRequest};
+use crate::protocol::fields;
 use crate::protocol::logprobs;
 use crate::protocol::request::{parse_body, parse_common, CommonParams};
 use crate::protocol::response;
@@ -17,11 +19,9 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Json, Response};
 use serde_json::{Map, Value};
-use std::time::Instant;
 
-pub async fn handle(State(state): State<SharedState>, body: Bytes) -> Response {
-    let arrived = Instant::now();
-    super::guarded(run(&state, &body, arrived)).await
+pub async fn handle(State(state): State<SharedState>, log: RequestLog, body: Bytes) -> Response {
+    super::guarded(run(&state, &body, &log)).await
 }
 
 /// Validates a chat body, renders and tokenizes its prompt, and sets the token budget and the
@@ -62,11 +62,12 @@ pub(crate) async fn prepare_parsed(
     Ok(Prepared { common, prompt: prompt.ids, max_tokens, pipeline })
 }
 
-async fn run(state: &SharedState, body: &[u8], arrived: Instant) -> ApiResult<Response> {
+async fn run(state: &SharedState, body: &[u8], log: &RequestLog) -> ApiResult<Response> {
     let body = parse_body(body)?;
+    fields::CHAT.check(&body, log, &state.warned_fields)?;
     let prepared = prepare(state, &body).await?;
     let n = prepared.common.n;
-    let (meta, mut choices) = match start(state, &body, Kind::Chat, vec![prepared], arrived, None)? {
+    let (meta, mut choices) = match start(state, &body, Kind::Chat, vec![prepared], log, None)? {
         Started::Stream(resp) => return Ok(resp),
         Started::Whole(choices, meta) => (meta, choices),
     };

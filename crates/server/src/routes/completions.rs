@@ -6,7 +6,9 @@ use super::prompt::{self, token_budget};
 use super::{start, Prepared, Started};
 use crate::choices::UsageSum;
 use crate::errors::{ApiError, ApiResult};
+use crate::http::log::RequestLog;
 use crate::openai_stream::Kind;
+use crate::protocol::fields;
 use crate::pipeline::PipelineConfig;
 use crate::protocol::logprobs::{self, Legacy};
 use crate::protocol::request::{parse_body, parse_common};
@@ -17,15 +19,14 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Json, Response};
 use ferrolm_sample::MAX_TOP_LOGPROBS;
 use serde_json::{Map, Value};
-use std::time::Instant;
 
-pub async fn handle(State(state): State<SharedState>, body: Bytes) -> Response {
-    let arrived = Instant::now();
-    super::guarded(run(&state, &body, arrived)).await
+pub async fn handle(State(state): State<SharedState>, log: RequestLog, body: Bytes) -> Response {
+    super::guarded(run(&state, &body, &log)).await
 }
 
-async fn run(state: &SharedState, body: &[u8], arrived: Instant) -> ApiResult<Response> {
+async fn run(state: &SharedState, body: &[u8], log: &RequestLog) -> ApiResult<Response> {
     let mut body = parse_body(body)?;
+    fields::COMPLETIONS.check(&body, log, &state.warned_fields)?;
     let legacy = legacy_logprobs(&mut body)?;
     let vocab_size = state.bundle().model.info().vocab_size;
     let common = parse_common(&body, &state.config, vocab_size)?;
@@ -41,7 +42,7 @@ async fn run(state: &SharedState, body: &[u8], arrived: Instant) -> ApiResult<Re
         prompt_chars.push(p.chars);
     }
     let legacy_chars = legacy.then_some(prompt_chars);
-    let (meta, mut choices) = match start(state, &body, Kind::Text, runs, arrived, legacy_chars.clone())? {
+    let (meta, mut choices) = match start(state, &body, Kind::Text, runs, log, legacy_chars.clone())? {
         Started::Stream(resp) => return Ok(resp),
         Started::Whole(choices, meta) => (meta, choices),
     };

@@ -1,9 +1,9 @@
 //! The router: mlx_lm.server's endpoints (`/v1/chat/completions` and its `/chat/completions`
 //! alias, `/v1/completions`, `/v1/models`, `/health`) plus `/metrics`, Anthropic's Messages
-//! (`/v1/messages`, `/v1/messages/count_tokens`) and OpenAI's Responses (`/v1/responses`); CORS
-//! as mlx_lm.server sends it (`--allowed-origins`, OPTIONS answered 204); every response counted
-//! by endpoint and status; errors in OpenAI's shape (Anthropic's on its endpoints), also for
-//! unknown paths and methods.
+//! (`/v1/messages`, `/v1/messages/count_tokens`) and OpenAI's Responses (`/v1/responses`); the
+//! HTTP layer's middleware around them (`crate::http`: log line and request id, Host / Origin
+//! checks, CORS, API key, bounded body); every response counted by endpoint and status; errors
+//! in OpenAI's shape (Anthropic's on its endpoints), also for unknown paths and methods.
 
 mod capability;
 pub(crate) mod chat;
@@ -15,6 +15,7 @@ pub(crate) mod prompt;
 use crate::choices::Choices;
 use crate::errors::{ApiError, ApiResult};
 use crate::generation::{End, Generation, GenerationSpec, Piece};
+use crate::http::{access, body, log::{self, RequestLog}};
 use crate::openai_stream::{self, Kind, StreamOptions};
 use crate::pipeline::PipelineConfig;
 use crate::protocol::request::CommonParams;
@@ -22,7 +23,7 @@ use crate::protocol::response::{self, Meta, Usage};
 use crate::state::{unix_now, SharedState};
 use crate::{anthropic, embeddings, responses};
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::http::{header, Method};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -31,10 +32,7 @@ use futures_util::FutureExt;
 use serde_json::{Map, Value};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::time::{Duration, Instant};
-
-/// Bodies up to this size are read (axum's default of 2 MB is too small for long contexts).
-const MAX_BODY_BYTES: usize = 256 << 20;
+use std::time::Duration;
 
 pub fn router(state: SharedState) -> Router {
     // The generation endpoints, refused up front when the served model only embeds.
@@ -46,7 +44,8 @@ pub fn router(state: SharedState) -> Router {
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/responses", post(responses::create))
         .route_layer(middleware::from_fn_with_state(state.clone(), capability::generation_only));
-    Router::new()
+    let cors = access::cors_layer(&state.config.access);
+    let routes = Router::new()
         .merge(generation)
         .route("/v1/responses/{id}", get(responses::get).delete(responses::delete))
         .route("/v1/embeddings", post(embeddings::create))
@@ -57,8 +56,18 @@ pub fn router(state: SharedState) -> Router {
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        // Innermost first: the body (bounded by http::body, not by axum's default), the key.
+        .layer(DefaultBodyLimit::disable())
+        .layer(middleware::from_fn_with_state(state.clone(), body::bounded))
+        .layer(middleware::from_fn_with_state(state.clone(), access::check_key));
+    let routes = match cors {
+        Some(cors) => routes.layer(cors),
+        None => routes,
+    };
+    routes
+        .layer(middleware::from_fn_with_state(state.clone(), access::check_origin))
         .layer(middleware::from_fn_with_state(state.clone(), observe))
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(middleware::from_fn_with_state(state.clone(), log::access_log))
         .with_state(state)
 }
 
@@ -81,27 +90,12 @@ async fn method_not_allowed() -> ApiError {
     ApiError::method_not_allowed()
 }
 
-/// CORS preflight and headers, and the request counter.
+/// The request counter, by endpoint and status.
 async fn observe(State(state): State<SharedState>, req: Request, next: Next) -> Response {
-    let origin = req.headers().get(header::ORIGIN).cloned();
     let endpoint = req.extensions().get::<MatchedPath>().map_or("other", |p| p.as_str()).to_string();
-    let mut resp =
-        if req.method() == Method::OPTIONS { StatusCode::NO_CONTENT.into_response() } else { next.run(req).await };
-    cors(&state.config.allowed_origins, origin, resp.headers_mut());
+    let resp = next.run(req).await;
     state.metrics.request(&endpoint, resp.status().as_u16());
     resp
-}
-
-fn cors(allowed: &[String], origin: Option<HeaderValue>, h: &mut HeaderMap) {
-    let any = HeaderValue::from_static("*");
-    if allowed.iter().any(|o| o == "*") {
-        h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, any.clone());
-    } else if let Some(o) = origin.filter(|o| allowed.iter().any(|a| a.as_bytes() == o.as_bytes())) {
-        h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, o);
-        h.insert(header::VARY, HeaderValue::from_static("Origin"));
-    }
-    h.insert(header::ACCESS_CONTROL_ALLOW_METHODS, any.clone());
-    h.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, any);
 }
 
 /// Runs a handler; a panic becomes a 500 for this request only. Errors in OpenAI's shape.
@@ -155,9 +149,9 @@ pub(crate) fn launch(
     prompt: Vec<u32>,
     max_tokens: usize,
     pipeline: PipelineConfig,
-    arrived: Instant,
+    log: &RequestLog,
 ) -> ApiResult<Generation> {
-    let mut one = launch_group(state, body, common, 1, (prompt, max_tokens, pipeline), arrived)?;
+    let mut one = launch_group(state, body, common, 1, (prompt, max_tokens, pipeline), log)?;
     Ok(one.pop().expect("one generation"))
 }
 
@@ -170,7 +164,7 @@ fn launch_group(
     common: &CommonParams,
     n: usize,
     (mut prompt, max_tokens, pipeline): (Vec<u32>, usize, PipelineConfig),
-    arrived: Instant,
+    log: &RequestLog,
 ) -> ApiResult<Vec<Generation>> {
     if injected_fault(state, body).as_deref() == Some("engine") {
         prompt.clear();
@@ -187,7 +181,7 @@ fn launch_group(
         };
         GenerationSpec { prompt: prompt.clone(), params, pipeline: pipeline.clone(), logprobs: common.logprobs }
     };
-    Generation::start_group(state, (0..n).map(spec).collect(), arrived)
+    Generation::start_group(state, (0..n).map(spec).collect(), log)
 }
 
 /// Queues an OpenAI chat / text generation, `n` choices of each prompt in `runs` (choice
@@ -198,7 +192,7 @@ fn start(
     body: &Map<String, Value>,
     kind: Kind,
     runs: Vec<Prepared>,
-    arrived: Instant,
+    log: &RequestLog,
     legacy_prompt_chars: Option<Vec<usize>>,
 ) -> ApiResult<Started> {
     let Some(common) = runs.first().map(|r| r.common.clone()) else {
@@ -206,7 +200,7 @@ fn start(
     };
     let mut gens = Vec::with_capacity(runs.len() * common.n);
     for run in runs {
-        gens.extend(launch_group(state, body, &common, common.n, (run.prompt, run.max_tokens, run.pipeline), arrived)?);
+        gens.extend(launch_group(state, body, &common, common.n, (run.prompt, run.max_tokens, run.pipeline), log)?);
     }
     let prefix = match kind {
         Kind::Chat => "chatcmpl",

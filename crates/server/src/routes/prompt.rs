@@ -1,13 +1,18 @@
 //! From a request to prompt token ids, and the token budget against the context window.
 //! Rendering and tokenizing run on the blocking pool, so a huge prompt never stalls the HTTP
-//! threads.
+//! threads. Tokenizing is bounded by the context: a prompt that cannot fit is refused from its
+//! length or as soon as the count passes the context, never tokenized whole. Every string a
+//! client puts into a chat (content, names, tool calls and results, tool definitions, template
+//! variables) is protected before rendering, so its special-token texts stay text: only the
+//! template's scaffold makes control tokens (`ferrolm_text::Tokenizer::protect`).
 
 use crate::errors::{ApiError, ApiResult};
 use crate::protocol::chat::{convert_chat, ChatRequest};
 use crate::protocol::tools;
 use crate::state::SharedState;
-use ferrolm_text::{ReasoningSplitter, RenderOptions};
-use serde_json::Value;
+use ferrolm_text::{EncodeError, ReasoningSplitter, RenderOptions, Tokenizer};
+use serde_json::{Map, Value};
+use std::borrow::Cow;
 
 /// A chat rendered and tokenized.
 pub struct ChatPrompt {
@@ -23,18 +28,21 @@ pub async fn chat(state: &SharedState, chat: ChatRequest) -> ApiResult<ChatPromp
 
 fn render_chat(state: &SharedState, chat: ChatRequest) -> ApiResult<ChatPrompt> {
     let bundle = state.bundle();
-    let mut messages = chat.messages;
-    let mut tools = (!chat.tools.is_empty()).then(|| Value::Array(chat.tools.clone()));
+    let tk = &bundle.tokenizer;
+    let mut messages: Vec<Value> = chat.messages.into_iter().map(|m| protect(tk, m)).collect();
+    let chat_tools: Vec<Value> = chat.tools.into_iter().map(|t| protect(tk, t)).collect();
+    let Value::Object(template_kwargs) = protect(tk, Value::Object(chat.template_kwargs)) else { unreachable!() };
+    let mut tools = (!chat_tools.is_empty()).then(|| Value::Array(chat_tools.clone()));
     if !state.template_has_tools {
-        if !chat.tools.is_empty() {
-            tools::describe_in_system(&mut messages, &chat.tools);
+        if !chat_tools.is_empty() {
+            tools::describe_in_system(&mut messages, &chat_tools);
             tools = None;
         }
         messages = tools::inline_tool_history(messages);
     }
     let (text, add_special) = match bundle.template {
         Some(_) => {
-            let opts = RenderOptions { add_generation_prompt: true, tools, extra: chat.template_kwargs };
+            let opts = RenderOptions { add_generation_prompt: true, tools, extra: template_kwargs };
             let text = bundle
                 .render_chat(&Value::Array(messages), &opts)
                 .map_err(|e| ApiError::invalid(format!("prompt build failed: {e}"), Some("messages")))?;
@@ -43,13 +51,11 @@ fn render_chat(state: &SharedState, chat: ChatRequest) -> ApiResult<ChatPrompt> 
         None => (convert_chat(&messages), true),
     };
     let text = match chat.prefill {
-        Some(prefill) => text + &prefill,
+        Some(prefill) => text + &tk.protect(&prefill),
         None => text,
     };
-    let ids = bundle
-        .tokenizer
-        .encode(&text, add_special)
-        .map_err(|e| ApiError::internal(format!("tokenization failed: {e}")))?;
+    let context = state.context_length();
+    let ids = tk.encode_prompt(&text, add_special, context.saturating_sub(1)).map_err(|e| too_long(e, context, "messages"))?;
     let opens_reasoning =
         state.think_tags.as_ref().is_some_and(|(s, e)| ReasoningSplitter::prompt_opens_reasoning(&text, s, e));
     Ok(ChatPrompt { ids, opens_reasoning })
@@ -74,19 +80,56 @@ pub async fn text(state: &SharedState, prompt: Option<Value>) -> ApiResult<Vec<T
     blocking(move || {
         let bundle = state.bundle();
         let vocab = bundle.model.info().vocab_size as u64;
+        let context = state.context_length();
         let encode = |raw: RawPrompt| match raw {
             RawPrompt::Ids(ids) => {
                 let chars = bundle.tokenizer.decode(&ids, true).chars().count();
                 Ok(TextPrompt { ids, chars })
             }
+            // A raw prompt is the client's whole prompt: its special-token texts are tokens.
             RawPrompt::Text(text) => bundle
-                .prompt_ids(None, &text)
+                .tokenizer
+                .encode_limited(&text, true, context.saturating_sub(1))
                 .map(|ids| TextPrompt { ids, chars: text.chars().count() })
-                .map_err(|e| ApiError::internal(format!("tokenization failed: {e}"))),
+                .map_err(|e| too_long(e, context, "prompt")),
         };
         parse_prompts(prompt, vocab)?.into_iter().map(encode).collect()
     })
     .await
+}
+
+/// A prompt that tokenization stopped on: 400 `context_length_exceeded` (any other failure 500).
+fn too_long(e: EncodeError, context: usize, param: &str) -> ApiError {
+    match e {
+        EncodeError::TooLong { at_least, .. } => ApiError::invalid(
+            format!(
+                "This model's maximum context length is {context} tokens. However, your {param} \
+                 resulted in at least {at_least} tokens (tokenizing stopped there). Please reduce \
+                 the length of the {param}."
+            ),
+            Some(param),
+        )
+        .with_code("context_length_exceeded"),
+        EncodeError::Failed(e) => ApiError::internal(format!("tokenization failed: {e}")),
+    }
+}
+
+/// A client's value with every string (and object key) protected: special-token texts in it
+/// are tokenized as text.
+fn protect(tk: &Tokenizer, v: Value) -> Value {
+    match v {
+        Value::String(s) => match tk.protect(&s) {
+            Cow::Borrowed(_) => Value::String(s),
+            Cow::Owned(p) => Value::String(p),
+        },
+        Value::Array(items) => Value::Array(items.into_iter().map(|x| protect(tk, x)).collect()),
+        Value::Object(map) => {
+            let map: Map<String, Value> =
+                map.into_iter().map(|(k, x)| (tk.protect(&k).into_owned(), protect(tk, x))).collect();
+            Value::Object(map)
+        }
+        other => other,
+    }
 }
 
 #[derive(Debug)]

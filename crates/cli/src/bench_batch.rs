@@ -61,6 +61,7 @@ pub fn run(model: &dyn CausalLm, prompt: &[u32], n: usize, decode: usize, max_ba
             cancel: CancelToken::new(),
             sampler: Box::new(sampler),
             sink: Box::new(Count(c.clone())),
+            constraint: None,
         };
         batch.add(req, model.make_cache());
     }

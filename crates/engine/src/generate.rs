@@ -66,6 +66,7 @@ pub fn generate(
         cancel: input.cancel.clone(),
         sampler: Box::new(sampler),
         sink: Box::new(CallbackSink { on_token, outcome: outcome.clone() }),
+        constraint: None,
     };
     // One sequence: the whole prompt chunk fits a step, as before batching.
     let cfg = BatchConfig { max_batch_tokens: input.params.prefill_chunk.max(1), max_seqs: 1, kv_budget_bytes: usize::MAX, prompt_cache_bytes: 0 };

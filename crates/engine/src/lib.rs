@@ -5,6 +5,7 @@
 
 pub mod bundle;
 pub mod config;
+pub mod constraint;
 pub mod draft;
 mod embed;
 mod gauges;
@@ -20,6 +21,7 @@ mod step;
 
 pub use bundle::{Bundle, BundleError};
 pub use config::{BatchConfig, DiskSettings, GraphSettings};
+pub use constraint::TokenConstraint;
 pub use gauges::{EngineGauges, Histogram, BUCKETS};
 pub use generate::{generate, Flow, GenerateInput};
 pub use graph_decode::{DecodePath, GraphDecoder};

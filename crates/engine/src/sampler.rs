@@ -12,6 +12,14 @@ pub struct Sampled {
 /// (prompt ++ generated) in, one token out.
 pub trait TokenSampler {
     fn sample(&mut self, logits: &Tensor, history: &[TokenId]) -> candle_core::Result<Sampled>;
+    /// `sample` with only the tokens of `allowed` (a bitset: bit `i % 32` of word `i / 32`)
+    /// possible, applied after the processors and before the log-softmax (DESIGN §5).
+    fn sample_masked(&mut self, logits: &Tensor, history: &[TokenId], allowed: Option<&[u32]>) -> candle_core::Result<Sampled> {
+        match allowed {
+            None => self.sample(logits, history),
+            Some(_) => candle_core::bail!("this sampler cannot apply a constraint's mask"),
+        }
+    }
     /// Whether every step is a plain argmax of the logits (no processors, no logprobs): the
     /// engine may then decode with its captured on-device step.
     fn is_plain_greedy(&self) -> bool {
@@ -22,7 +30,12 @@ pub trait TokenSampler {
 /// The request sampler (mlx-lm semantics) plugs in directly.
 impl TokenSampler for ferrolm_sample::Sampler {
     fn sample(&mut self, logits: &Tensor, history: &[TokenId]) -> candle_core::Result<Sampled> {
-        let s = ferrolm_sample::Sampler::sample(self, logits, history)
+        TokenSampler::sample_masked(self, logits, history, None)
+    }
+
+    fn sample_masked(&mut self, logits: &Tensor, history: &[TokenId], allowed: Option<&[u32]>) -> candle_core::Result<Sampled> {
+        let mask = allowed.map(ferrolm_sample::Mask::Allowed);
+        let s = ferrolm_sample::Sampler::sample_masked(self, logits, history, mask)
             .map_err(candle_core::Error::wrap)?;
         Ok(Sampled {
             token: s.token,
@@ -39,6 +52,10 @@ impl TokenSampler for ferrolm_sample::Sampler {
 impl<T: TokenSampler + ?Sized> TokenSampler for &mut T {
     fn sample(&mut self, logits: &Tensor, history: &[TokenId]) -> candle_core::Result<Sampled> {
         (**self).sample(logits, history)
+    }
+
+    fn sample_masked(&mut self, logits: &Tensor, history: &[TokenId], allowed: Option<&[u32]>) -> candle_core::Result<Sampled> {
+        (**self).sample_masked(logits, history, allowed)
     }
 
     fn is_plain_greedy(&self) -> bool {

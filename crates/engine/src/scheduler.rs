@@ -10,9 +10,10 @@ use crate::config::BatchConfig;
 pub enum Want {
     /// Prompt rows still to forward before its tail.
     Prompt { remaining: usize },
-    /// One decode row (the prompt's last token, or the pending sampled token), and up to
-    /// `drafts` more rows of draft tokens to verify.
-    Decode { drafts: usize },
+    /// Decode rows: the `pending` tokens delivered but not yet forwarded (the prompt's last
+    /// token or the last sampled one; more after a jump-forward), and up to `drafts` more rows
+    /// of draft tokens to verify.
+    Decode { pending: usize, drafts: usize },
     /// Nothing: it has ended and waits to be retired.
     Nothing,
 }
@@ -98,9 +99,9 @@ pub fn plan(cfg: &BatchConfig, running: &[SeqView]) -> Plan {
     let mut budget = cfg.max_batch_tokens.max(1);
     let mut plan = Plan::default();
     for (i, s) in running.iter().enumerate() {
-        if matches!(s.want, Want::Decode { .. }) && budget > 0 {
-            plan.decode.push((i, 1));
-            budget -= 1;
+        if let (Want::Decode { pending, .. }, true) = (s.want, budget > 0) {
+            plan.decode.push((i, pending));
+            budget = budget.saturating_sub(pending);
         }
     }
     for (i, s) in running.iter().enumerate() {
@@ -114,7 +115,7 @@ pub fn plan(cfg: &BatchConfig, running: &[SeqView]) -> Plan {
         }
     }
     for (i, rows) in plan.decode.iter_mut() {
-        if let Want::Decode { drafts } = running[*i].want {
+        if let Want::Decode { drafts, .. } = running[*i].want {
             let granted = drafts.min(budget);
             *rows += granted;
             budget -= granted;
@@ -139,10 +140,10 @@ mod tests {
     fn decodes_come_first_then_prompt_chunks_in_order_within_the_budget() {
         let running = [
             seq(Want::Prompt { remaining: 300 }, 10),
-            seq(Want::Decode { drafts: 0 }, 50),
+            seq(Want::Decode { pending: 1, drafts: 0 }, 50),
             seq(Want::Prompt { remaining: 100 }, 10),
             seq(Want::Nothing, 5),
-            seq(Want::Decode { drafts: 4 }, 70),
+            seq(Want::Decode { pending: 1, drafts: 4 }, 70),
         ];
         let p = plan(&cfg(256, 8), &running);
         assert_eq!(p.decode, vec![(1, 1), (4, 1)]);
@@ -161,8 +162,9 @@ mod tests {
 
     #[test]
     fn admission_keeps_arrival_order_and_respects_seats_and_memory() {
-        let running = [seq(Want::Decode { drafts: 0 }, 100)];
-        let waiting = [seq(Want::Prompt { remaining: 10 }, 50), seq(Want::Prompt { remaining: 10 }, 500), seq(Want::Decode { drafts: 0 }, 1)];
+        let d = Want::Decode { pending: 1, drafts: 0 };
+        let running = [seq(d, 100)];
+        let waiting = [seq(Want::Prompt { remaining: 10 }, 50), seq(Want::Prompt { remaining: 10 }, 500), seq(d, 1)];
         assert_eq!(admit(&cfg(512, 8), 1000, &running, &waiting), 3);
         assert_eq!(admit(&cfg(512, 8), 600, &running, &waiting), 1, "the large one blocks the queue");
         assert_eq!(admit(&cfg(512, 2), 1000, &running, &waiting), 1, "seats");
@@ -170,7 +172,7 @@ mod tests {
 
     #[test]
     fn preemption_takes_the_newest_until_the_rest_fit_and_keeps_the_oldest() {
-        let d = Want::Decode { drafts: 0 };
+        let d = Want::Decode { pending: 1, drafts: 0 };
         let running = [seq(d, 100), seq(d, 100), seq(d, 100)];
         assert_eq!(preempt(300, &running), Vec::<usize>::new());
         assert_eq!(preempt(250, &running), vec![2]);

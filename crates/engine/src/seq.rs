@@ -2,6 +2,7 @@
 //! sampler, where its tokens go, its stats. The step (`step.rs`) forwards and samples it; the
 //! scheduler sees it only through `SeqView`.
 
+use crate::constraint::TokenConstraint;
 use crate::sampler::TokenSampler;
 use crate::scheduler::{SeqView, Want};
 use crate::spec::{Proposer, SpecStats};
@@ -32,6 +33,8 @@ pub struct SeqRequest<'a> {
     pub cancel: CancelToken,
     pub sampler: Box<dyn TokenSampler + 'a>,
     pub sink: Box<dyn Sink + 'a>,
+    /// Structured output: what may come next (None: anything).
+    pub constraint: Option<Box<dyn TokenConstraint + 'a>>,
 }
 
 pub struct Sequence<'a> {
@@ -65,6 +68,10 @@ pub struct Sequence<'a> {
     max_gamma: usize,
     rows: Vec<TokenId>,
     spec: SpecStats,
+    constraint: Option<Box<dyn TokenConstraint + 'a>>,
+    /// Rows of the step in flight that were delivered before it (the last one's logits are
+    /// the first to sample).
+    pending_rows: usize,
 }
 
 impl<'a> Sequence<'a> {
@@ -94,6 +101,8 @@ impl<'a> Sequence<'a> {
             max_gamma: 0,
             rows: Vec::new(),
             spec: SpecStats::default(),
+            constraint: req.constraint,
+            pending_rows: 1,
         };
         if seq.tokens.is_empty() {
             seq.fail("the prompt is empty".into());
@@ -126,7 +135,7 @@ impl<'a> Sequence<'a> {
         } else if computed + 1 < self.prefill_len {
             Want::Prompt { remaining: self.prefill_len - 1 - computed }
         } else {
-            Want::Decode { drafts: self.drafts.len() }
+            Want::Decode { pending: self.tokens.len() - computed, drafts: self.drafts.len() }
         }
     }
 
@@ -143,6 +152,10 @@ impl<'a> Sequence<'a> {
 
     pub fn speculates(&self) -> bool {
         self.proposer.is_some()
+    }
+
+    pub fn is_constrained(&self) -> bool {
+        self.constraint.is_some()
     }
 
     /// Asks the proposer for this step's drafts: no more than the tokens left to generate
@@ -199,7 +212,8 @@ impl<'a> Sequence<'a> {
     /// others dropped) with the cache they extend.
     pub fn decode_input(&mut self, rows: usize) -> ferrolm_models::SeqInput<'_> {
         let start = self.cache.offset();
-        self.drafts.truncate(rows - 1);
+        self.pending_rows = self.tokens.len() - start;
+        self.drafts.truncate(rows.saturating_sub(self.pending_rows));
         self.rows.clear();
         self.rows.extend_from_slice(&self.tokens[start..]);
         self.rows.extend_from_slice(&self.drafts);
@@ -211,12 +225,11 @@ impl<'a> Sequence<'a> {
     /// takes the rejected drafts' keys and values back out of the cache.
     pub fn verify(&mut self, logits: &Tensor, first: usize) -> candle_core::Result<()> {
         let drafts = std::mem::take(&mut self.drafts);
+        let first = first + self.pending_rows - 1;
         let mut accepted = 0;
         for i in 0..=drafts.len() {
-            let next = self.sampler.sample(&logits.get(first + i)?, &self.tokens)?;
-            let matched = drafts.get(i) == Some(&next.token);
-            self.deliver(next.token, next.logprobs);
-            if self.is_done() || !matched {
+            let (token, forced) = self.sample_row(&logits.get(first + i)?)?;
+            if self.is_done() || forced || drafts.get(i) != Some(&token) {
                 break;
             }
             accepted += 1;
@@ -224,12 +237,43 @@ impl<'a> Sequence<'a> {
         self.spec.drafted += drafts.len();
         self.spec.accepted += accepted;
         self.adapt_gamma(accepted, drafts.len());
-        // The cache holds every delivered token but the last (pending).
-        let extra = self.cache.offset() - (self.tokens.len() - 1);
+        // The rejected drafts' rows leave the cache; it then holds a prefix of the tokens.
+        let extra = drafts.len() - accepted;
         if self.cache.trim(extra) != extra {
             candle_core::bail!("speculation: {extra} rejected rows could not be taken back from the cache");
         }
         Ok(())
+    }
+
+    /// Samples one row (under the constraint's mask when there is one) and delivers the token,
+    /// then the tokens the constraint forces after it (jump-forward); returns the sampled token
+    /// and whether tokens were forced.
+    fn sample_row(&mut self, logits: &Tensor) -> candle_core::Result<(TokenId, bool)> {
+        let Some(c) = self.constraint.as_mut() else {
+            let next = self.sampler.sample(logits, &self.tokens)?;
+            self.deliver(next.token, next.logprobs);
+            return Ok((next.token, false));
+        };
+        let mask = c.mask().map_err(candle_core::Error::Msg)?;
+        let next = self.sampler.sample_masked(logits, &self.tokens, Some(&mask))?;
+        c.consume(next.token).map_err(candle_core::Error::Msg)?;
+        let forced = c.forced();
+        self.deliver(next.token, next.logprobs);
+        for &t in &forced {
+            if self.is_done() {
+                break;
+            }
+            self.deliver(t, None);
+        }
+        self.check_constraint();
+        Ok((next.token, !forced.is_empty()))
+    }
+
+    /// Ends the generation when the constraint has (an observed cause: "stop").
+    fn check_constraint(&mut self) {
+        if self.constraint.as_ref().is_some_and(|c| c.is_finished()) && !self.is_done() {
+            self.ended = Some(Some(FinishReason::Stop));
+        }
     }
 
     /// More drafts after a round that kept them all, fewer after one that did not.

@@ -273,7 +273,7 @@ impl Worker {
         let mut eos_ids = b.eos_ids.clone();
         eos_ids.extend(&r.params.stop_token_ids);
         let sink = ChannelSink { events, cancel: r.cancel.clone() };
-        Some(SeqRequest { prompt: r.prompt, params: r.params, eos_ids, cancel: r.cancel, sampler: Box::new(sampler), sink: Box::new(sink) })
+        Some(SeqRequest { prompt: r.prompt, params: r.params, eos_ids, cancel: r.cancel, sampler: Box::new(sampler), sink: Box::new(sink), constraint: None })
     }
 }
 

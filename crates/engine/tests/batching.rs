@@ -84,6 +84,7 @@ fn batched(model: &dyn CausalLm, cases: &[Case], joins: &[usize], cfg: BatchConf
                 cancel: CancelToken::new(),
                 sampler: Box::new(sampler(model, &c.sampling)),
                 sink: Box::new(Recorder(records[i].clone())),
+                constraint: None,
             };
             batch.add(req, model.make_cache());
         }
@@ -181,6 +182,7 @@ fn cancellation_mid_prompt_leaves_at_the_next_step() {
             cancel,
             sampler: Box::new(sampler(model, &case.sampling)),
             sink: Box::new(Recorder(rec.clone())),
+            constraint: None,
         };
         batch.add(req, model.make_cache());
     }
@@ -221,6 +223,7 @@ fn preempted_sequences_complete() {
             cancel: CancelToken::new(),
             sampler: Box::new(sampler(model, &c.sampling)),
             sink: Box::new(Recorder(r.clone())),
+            constraint: None,
         };
         batch.add(req, model.make_cache());
     }
@@ -263,6 +266,7 @@ fn choices_of_one_prompt_share_the_prefill_and_equal_their_solo_runs() {
             cancel: CancelToken::new(),
             sampler: Box::new(sampler(model, &c.sampling)),
             sink: Box::new(Recorder(r.clone())),
+            constraint: None,
         })
         .collect();
     batch.add_group(reqs, model.make_cache());

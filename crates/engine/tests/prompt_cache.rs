@@ -47,6 +47,7 @@ fn request(model: &dyn CausalLm, prompt: &[u32], max_tokens: usize, out: &Rc<Ref
         cancel: CancelToken::new(),
         sampler: Box::new(Sampler::new(&sampling(), &cfg).unwrap()),
         sink: Box::new(Rec(out.clone())),
+        constraint: None,
     }
 }
 

@@ -65,6 +65,7 @@ fn run_with(
                 cancel: CancelToken::new(),
                 sampler: Box::new(Sampler::new(sp, &sampler_cfg).unwrap()),
                 sink: Box::new(Rec(r.clone())),
+                constraint: None,
             };
             batch.add(req, model.make_cache());
         }

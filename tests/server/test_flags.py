@@ -105,7 +105,7 @@ def test_prompt_cache_bytes(started):
 @pytest.mark.parametrize("flag,value", [("--prompt-concurrency", "2"),
                                         ("--prompt-cache-size", "4"), ("--kv-group-size", "32"),
                                         ("--quantized-kv-start", "0"), ("--pipeline", None),
-                                        ("--draft-model", "x"), ("--adapter-path", "x")])
+                                        ("--adapter-path", "x")])
 def test_mlx_knobs_away_from_their_defaults_are_refused(flag, value):
     r = run_cli("serve", "--port", "0", flag, *([value] if value else []))
     assert r.returncode == 2
@@ -114,11 +114,12 @@ def test_mlx_knobs_away_from_their_defaults_are_refused(flag, value):
 
 def test_serve_says_what_it_serves_and_how_to_call_it(started):
     s = started("--alias", "m", "-c", "512", "--device", "cpu")
-    lines = [s.proc.stdout.readline() for _ in range(4)]
+    lines = [s.proc.stdout.readline() for _ in range(5)]
     assert lines[0].split() == ["model", "m", "(llama,", "context", "512", "tokens,", "cpu,"] + lines[0].split()[7:]
-    assert f"{s.url}/v1" in lines[1]
-    assert f"ANTHROPIC_BASE_URL={s.url}" in lines[2]
-    curl = lines[3].split("try", 1)[1].strip()
+    assert lines[1].split() == ["chat", "page", s.url + "/"]
+    assert f"{s.url}/v1" in lines[2]
+    assert f"ANTHROPIC_BASE_URL={s.url}" in lines[3]
+    curl = lines[4].split("try", 1)[1].strip()
     assert curl.startswith(f"curl {s.url}/v1/chat/completions ")
     # The example works as printed.
     out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)

@@ -39,7 +39,7 @@ pub fn lines(addr: SocketAddr, s: &Served<'_>) -> String {
         );
     }
     format!(
-        "{model}\n  OpenAI     {base}/v1  (chat/completions, completions, responses, models; OPENAI_BASE_URL={base}/v1)\n  \
+        "{model}\n  chat page  {base}/\n  OpenAI     {base}/v1  (chat/completions, completions, responses, models; OPENAI_BASE_URL={base}/v1)\n  \
          Anthropic  {base}/v1/messages  (ANTHROPIC_BASE_URL={base})\n  try        curl {base}/v1/chat/completions \
          -H 'content-type: application/json' -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'"
     )
@@ -55,6 +55,7 @@ mod tests {
         let text = lines("0.0.0.0:8080".parse().unwrap(), &s);
         assert!(text.contains("m (qwen2, context 4096 tokens, cpu)"));
         assert!(text.contains("curl http://127.0.0.1:8080/v1/chat/completions"));
+        assert!(text.contains("chat page  http://127.0.0.1:8080/\n"));
         assert!(text.contains("ANTHROPIC_BASE_URL=http://127.0.0.1:8080"));
         let text = lines("[::]:9000".parse().unwrap(), &Served { generates: false, ..s });
         assert!(text.contains("curl http://[::1]:9000/v1/embeddings"));

@@ -94,7 +94,7 @@ pub fn run(args: Args) -> CliResult<()> {
     // A bar on a terminal only: generate's stderr carries its stats line for scripts.
     let progress = LoadProgress::new(model_label(args.model.as_deref()), 1, true);
     let loaded = bundle::load_with_progress(args.model.as_deref(), &args.device, 1, progress.callback());
-    progress.finish();
+    progress.finish(loaded.is_ok());
     let bundle = loaded.map_err(CliError::usage)?;
     let messages = (!args.raw).then(|| args.messages(&text));
     let prompt = bundle

@@ -65,13 +65,15 @@ impl LoadProgress {
         }))
     }
 
-    /// The load is over (the bar is cleared; a plain line says how long it took).
-    pub fn finish(self) {
+    /// The load is over, `ok` or not (the bar is cleared; a plain line says how it ended and
+    /// how long it took; the caller reports the error itself).
+    pub fn finish(self, ok: bool) {
         if let Some(bar) = self.bar {
             bar.finish_and_clear();
         }
         if self.plain {
-            eprintln!("loading {}: done in {:.2} s", self.label, self.started.elapsed().as_secs_f64());
+            let how = if ok { "done" } else { "failed" };
+            eprintln!("loading {}: {how} in {:.2} s", self.label, self.started.elapsed().as_secs_f64());
         }
     }
 }

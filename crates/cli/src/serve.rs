@@ -366,7 +366,7 @@ fn load_draft(args: &Args, target: &bundle::Bundle) -> CliResult<Option<Arc<bund
     let Some(path) = &args.draft_model else { return Ok(None) };
     let progress = LoadProgress::new(model_label(Some(path)), 1, false);
     let loaded = bundle::load_with_progress(Some(path), &args.device, 1, progress.callback());
-    progress.finish();
+    progress.finish(loaded.is_ok());
     let draft = loaded.map_err(CliError::usage)?;
     ferrolm_engine::draft::check_compatible(target, &draft).map_err(CliError::usage)?;
     Ok(Some(Arc::new(draft)))
@@ -404,7 +404,7 @@ fn load(args: &Args) -> CliResult<bundle::Bundle> {
     let ranks = args.tensor_parallel as usize;
     let progress = LoadProgress::new(model_label(args.model.as_deref()), ranks, false);
     let loaded = bundle::load_with_progress(args.model.as_deref(), &args.device, ranks, progress.callback());
-    progress.finish();
+    progress.finish(loaded.is_ok());
     loaded.map_err(CliError::usage)
 }
 

@@ -16,6 +16,12 @@ ASK = [{"role": "user", "content": "Write one sentence about the sea."}]
 TOOLS = [{"name": "get_weather", "description": "Get the current weather in a city",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
 
+def total_input(usage):
+    """Prompt tokens of a Messages response: those read from the prompt cache count apart
+    (`cache_read_input_tokens`), as Anthropic reports them."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
 
 def tool_use(city, i):
     return {"role": "assistant", "content": [
@@ -55,7 +61,7 @@ def test_create_shape(claude):
     assert r.content[0].text.startswith("The sea is")
     assert r.stop_reason == "max_tokens" and r.stop_sequence is None
     assert r.usage.output_tokens == 16
-    assert r.usage.input_tokens == 37
+    assert total_input(r.usage) == 37
 
 
 def test_same_prompt_and_answer_as_chat_completions(claude, client):
@@ -68,7 +74,7 @@ def test_same_prompt_and_answer_as_chat_completions(claude, client):
         model="m", max_tokens=24, temperature=0,
         messages=[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
                   {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name a colour."}])
-    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert total_input(r.usage) == chat.usage.prompt_tokens
     assert r.usage.output_tokens == chat.usage.completion_tokens
     assert text_of(r) == chat.choices[0].message.content
     expected = {"stop": "end_turn", "length": "max_tokens"}[chat.choices[0].finish_reason]
@@ -88,7 +94,7 @@ def test_count_tokens_equals_the_prompt_that_runs(claude):
     kw = dict(model="m", system="Be brief.", messages=WEATHER_ASK, tools=TOOLS)
     n = claude.messages.count_tokens(**kw).input_tokens
     r = create(claude, max_tokens=1, **kw)
-    assert n == r.usage.input_tokens > 0
+    assert n == total_input(r.usage) > 0
 
 
 def stream_events(server, body, path="/v1/messages"):
@@ -120,7 +126,7 @@ def test_sampling_fields_of_older_clients(http, claude):
 def test_zero_max_tokens_generates_nothing(claude, server):
     r = create(claude, max_tokens=0)
     assert r.content == [] and r.stop_reason == "max_tokens"
-    assert r.usage.output_tokens == 0 and r.usage.input_tokens == 37
+    assert r.usage.output_tokens == 0 and total_input(r.usage) == 37
     names = [n for n, _ in stream_events(server, {"messages": ASK, "max_tokens": 0, "stream": True})]
     assert names == ["message_start", "message_delta", "message_stop"]
 
@@ -129,7 +135,7 @@ def test_consecutive_turns_are_combined(claude):
     split = create(claude, max_tokens=1, messages=[{"role": "user", "content": "Write one sentence"},
                                                    {"role": "user", "content": "about the sea."}])
     joined = create(claude, max_tokens=1, messages=[{"role": "user", "content": "Write one sentence\nabout the sea."}])
-    assert split.usage.input_tokens == joined.usage.input_tokens
+    assert total_input(split.usage) == total_input(joined.usage)
 
 
 def test_prefill_continues_the_answer(claude):
@@ -149,7 +155,7 @@ def test_stream_event_order(server, claude):
                      + ["content_block_stop", "message_delta", "message_stop"])
     start = events[0][1]["message"]
     assert start["id"].startswith("msg_01") and start["content"] == [] and start["stop_reason"] is None
-    assert start["usage"]["input_tokens"] == 37
+    assert start["usage"]["input_tokens"] + start["usage"].get("cache_read_input_tokens", 0) == 37
     assert events[1][1] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
     text = "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta")
     assert text == text_of(create(claude))
@@ -185,7 +191,7 @@ def test_tool_use_then_tool_result(claude, client):
         messages=CHAT_HISTORY + [{"role": "user", "content": "What is the weather in Paris?"},
                                  {"role": "assistant", "content": None, "tool_calls": [call]},
                                  {"role": "tool", "tool_call_id": "call_x", "content": "Sunny, 24 C"}])
-    assert answer.usage.input_tokens == chat.usage.prompt_tokens
+    assert total_input(answer.usage) == chat.usage.prompt_tokens
     assert text_of(answer) == (chat.choices[0].message.content or "")
 
 
@@ -205,7 +211,7 @@ def test_tool_use_streams_input_json(claude):
 def test_tool_choice_none_offers_no_tools(claude):
     r = create(claude, messages=WEATHER_ASK, tools=TOOLS, tool_choice={"type": "none"}, max_tokens=20)
     n = claude.messages.count_tokens(model="m", messages=WEATHER_ASK).input_tokens
-    assert r.usage.input_tokens == n
+    assert total_input(r.usage) == n
 
 
 def test_claude_code_request_shape(server):

@@ -36,7 +36,8 @@ def test_chat_non_streaming(client):
     assert u.prompt_tokens == 37
     assert u.completion_tokens == 16
     assert u.total_tokens == 53
-    assert u.prompt_tokens_details.cached_tokens == 0
+    # The prompt cache may serve part of the prompt (earlier tests asked alike).
+    assert 0 <= u.prompt_tokens_details.cached_tokens < u.prompt_tokens
 
 
 def test_chat_stops_at_eos(client):

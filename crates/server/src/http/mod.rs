@@ -12,6 +12,9 @@ pub mod log;
 pub mod serve;
 
 use crate::errors::ApiError;
+use axum::extract::Request;
+use axum::http::header;
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use std::time::Duration;
 
@@ -46,6 +49,30 @@ impl Default for HttpLimits {
 /// Whether errors on `path` take Anthropic's shape (its Messages endpoints) or OpenAI's.
 pub fn anthropic_path(path: &str) -> bool {
     path == "/v1/messages" || path.starts_with("/v1/messages/") || path.starts_with("/v1/messages?")
+}
+
+/// The safety net: an error response that is not JSON (an extractor's rejection, such as a
+/// path segment that is not UTF-8) is rewritten in the API's shape with the same status.
+pub async fn api_shaped(req: Request, next: Next) -> Response {
+    let path = req.uri().path().to_string();
+    let resp = next.run(req).await;
+    let is_json = resp.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if resp.status().as_u16() < 400 || is_json {
+        return resp;
+    }
+    let status = resp.status();
+    let (parts, body) = resp.into_parts();
+    let text = axum::body::to_bytes(body, 4096).await.map(|b| String::from_utf8_lossy(&b).trim().to_string());
+    let message = text.ok().filter(|t| !t.is_empty()).unwrap_or_else(|| status.canonical_reason().unwrap_or("Error").into());
+    let mut e = ApiError::http_status(status.as_u16(), message);
+    if status.is_server_error() {
+        e.kind = "server_error";
+    }
+    let mut out = error_response(&path, e);
+    for (name, value) in parts.headers.iter().filter(|(n, _)| *n != header::CONTENT_TYPE && *n != header::CONTENT_LENGTH) {
+        out.headers_mut().insert(name.clone(), value.clone());
+    }
+    out
 }
 
 /// An error as the API at `path` shapes it.

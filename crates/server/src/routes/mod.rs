@@ -67,6 +67,7 @@ pub fn router(state: SharedState) -> Router {
     routes
         .layer(middleware::from_fn_with_state(state.clone(), access::check_origin))
         .layer(middleware::from_fn_with_state(state.clone(), observe))
+        .layer(middleware::from_fn(crate::http::api_shaped))
         .layer(middleware::from_fn_with_state(state.clone(), log::access_log))
         .with_state(state)
 }
@@ -82,12 +83,12 @@ async fn metrics(State(state): State<SharedState>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }
 
-async fn not_found(method: Method, uri: axum::http::Uri) -> ApiError {
-    ApiError::not_found(format!("Not found: {method} {}", uri.path()))
+async fn not_found(method: Method, uri: axum::http::Uri) -> Response {
+    crate::http::error_response(uri.path(), ApiError::not_found(format!("Not found: {method} {}", uri.path())))
 }
 
-async fn method_not_allowed() -> ApiError {
-    ApiError::method_not_allowed()
+async fn method_not_allowed(uri: axum::http::Uri) -> Response {
+    crate::http::error_response(uri.path(), ApiError::method_not_allowed())
 }
 
 /// The request counter, by endpoint and status.

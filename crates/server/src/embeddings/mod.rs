@@ -17,6 +17,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Json, Response};
 use ferrolm_core::CancelToken;
 use ferrolm_engine::Bundle;
+use ferrolm_text::EncodeError;
 use request::Input;
 use std::sync::Arc;
 
@@ -52,20 +53,25 @@ async fn tokenize(bundle: Arc<Bundle>, inputs: Vec<Input>) -> ApiResult<Vec<Vec<
     let max = bundle.model.info().context_length;
     let work = move || -> ApiResult<Vec<Vec<u32>>> {
         let mut out = Vec::with_capacity(inputs.len());
+        let too_long = |i: usize, n: usize| {
+            let message = format!(
+                "'input[{i}]' is {n} tokens long (special tokens included); this model embeds at most {max} tokens. Shorten the input: it is not truncated."
+            );
+            ApiError::invalid(message, Some("input")).with_code("context_length_exceeded")
+        };
         for (i, input) in inputs.into_iter().enumerate() {
+            // Bounded: an input far beyond the model's length is not tokenized whole (the count
+            // in the message is then where tokenizing stopped: "at least").
             let ids = match input {
                 Input::Ids(ids) => ids,
-                Input::Text(text) => bundle
-                    .tokenizer
-                    .encode(&text, true)
-                    .map_err(|e| ApiError::internal(format!("tokenization failed: {e}")))?,
+                Input::Text(text) => match bundle.tokenizer.encode_limited(&text, true, max) {
+                    Ok(ids) => ids,
+                    Err(EncodeError::TooLong { at_least, .. }) => return Err(too_long(i, at_least)),
+                    Err(e) => return Err(ApiError::internal(e.to_string())),
+                },
             };
             if ids.len() > max {
-                let message = format!(
-                    "'input[{i}]' is {} tokens long (special tokens included); this model embeds at most {max} tokens. Shorten the input: it is not truncated.",
-                    ids.len()
-                );
-                return Err(ApiError::invalid(message, Some("input")).with_code("context_length_exceeded"));
+                return Err(too_long(i, ids.len()));
             }
             out.push(ids);
         }

@@ -18,3 +18,5 @@ for m in smollm2-135m llama-3.2-1b; do
       --concurrency $n --check --max-batch-tokens 2048 2>&1 | tail -2
   done
 done
+# The server on the GPU: prompt cache (second turn) and speculation by prompt lookup.
+python scripts/gpu/serve_check.py "$W/bin/ferrolm" "$W/models/llama-3.2-1b"

@@ -17,3 +17,24 @@ pub trait TokenConstraint: Send {
     /// Whether the constraint has ended: its grammar accepted and allows nothing more.
     fn is_finished(&self) -> bool;
 }
+
+/// llguidance's matcher (`ferrolm-grammar`): the server compiles one per request from
+/// `response_format`, a grammar field or the tools of `tool_choice`.
+impl TokenConstraint for ferrolm_grammar::Constraint {
+    fn mask(&mut self) -> Result<Vec<u32>, String> {
+        ferrolm_grammar::Constraint::mask(self).map(<[u32]>::to_vec).map_err(|e| e.to_string())
+    }
+
+    fn consume(&mut self, token: TokenId) -> Result<(), String> {
+        ferrolm_grammar::Constraint::consume(self, token).map_err(|e| e.to_string())
+    }
+
+    fn forced(&mut self) -> Vec<TokenId> {
+        // A failure here shows again at the next mask, which fails the sequence.
+        self.take_forced().unwrap_or_default()
+    }
+
+    fn is_finished(&self) -> bool {
+        self.status() == ferrolm_grammar::Status::Accepted
+    }
+}

@@ -57,6 +57,8 @@ pub struct Request {
     pub prompt: Vec<TokenId>,
     pub params: GenerateParams,
     pub cancel: CancelToken,
+    /// Structured output: what the generation must be (a compiled grammar), if anything.
+    pub constraint: Option<Box<dyn crate::TokenConstraint>>,
 }
 
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
@@ -273,7 +275,7 @@ impl Worker {
         let mut eos_ids = b.eos_ids.clone();
         eos_ids.extend(&r.params.stop_token_ids);
         let sink = ChannelSink { events, cancel: r.cancel.clone() };
-        Some(SeqRequest { prompt: r.prompt, params: r.params, eos_ids, cancel: r.cancel, sampler: Box::new(sampler), sink: Box::new(sink), constraint: None })
+        Some(SeqRequest { prompt: r.prompt, params: r.params, eos_ids, cancel: r.cancel, sampler: Box::new(sampler), sink: Box::new(sink), constraint: r.constraint })
     }
 }
 

@@ -146,3 +146,52 @@ fn constrained_output_follows_the_grammar_with_and_without_jump_forward() {
     let (spec_out, _) = run(model, prompt, &branches, true, spec);
     assert_eq!(spec_out.tokens, plain.tokens);
 }
+
+/// A JSON schema through llguidance (`ferrolm-grammar`), greedy and sampled, alone and batched
+/// with speculation on: every output is valid JSON with the schema's required keys.
+#[test]
+fn a_json_schema_constrains_real_outputs() {
+    let Some(model) = open_model("SmolLM2-135M-Instruct.Q4_1.gguf") else { return };
+    let model = model.as_ref();
+    let path = ferrolm_models::paths::models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let tokenizer = std::sync::Arc::new(ferrolm_text::Tokenizer::from_gguf_file(&path).unwrap());
+    let eos = tokenizer.eos_ids().to_vec();
+    let grammars = ferrolm_grammar::Grammars::new(tokenizer.clone(), &eos, model.info().vocab_size).unwrap();
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+        "required": ["city", "population"],
+        "additionalProperties": false
+    });
+    let spec = ferrolm_grammar::ConstraintSpec::JsonSchema(schema);
+    let prompt = tokenizer.encode("Give me a city as JSON:", true).unwrap();
+    let cfg = BatchConfig { max_batch_tokens: 256, max_seqs: 4, kv_budget_bytes: 1 << 30, prompt_cache_bytes: 0 };
+    let mut batch = Batch::new(model, cfg, Default::default());
+    batch.set_speculation(Some(SpecConfig { max_drafts: 4, ngram_min: 1, ngram_max: 3 }));
+    let vocab = model.info().vocab_size;
+    let outs: Vec<_> = (0..3).map(|_| Rc::new(RefCell::new(Out::default()))).collect();
+    for (i, out) in outs.iter().enumerate() {
+        let sp = SamplingParams { temperature: if i == 0 { 0.0 } else { 1.0 }, seed: Some(i as u64), ..Default::default() };
+        let req = SeqRequest {
+            prompt: prompt.clone(),
+            params: GenerateParams { max_tokens: 80, sampling: sp.clone(), ..Default::default() },
+            eos_ids: eos.clone(),
+            cancel: CancelToken::new(),
+            sampler: Box::new(Sampler::new(&sp, &SamplerConfig { vocab_size: vocab, ..Default::default() }).unwrap()),
+            sink: Box::new(Rec(out.clone())),
+            constraint: Some(Box::new(grammars.compile(&spec).unwrap())),
+        };
+        batch.add(req, model.make_cache());
+    }
+    while !batch.is_idle() {
+        batch.step(&|| false);
+    }
+    for out in outs {
+        let o = out.borrow();
+        let ids: Vec<u32> = o.tokens.iter().copied().filter(|t| !eos.contains(t)).collect();
+        let text = tokenizer.decode(&ids, true);
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text:?}"));
+        assert!(v["city"].is_string() && v["population"].is_i64(), "{text}");
+        assert_eq!(o.stats.as_ref().unwrap().finish_reason, Some(FinishReason::Stop), "{text}");
+    }
+}

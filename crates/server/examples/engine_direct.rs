@@ -29,7 +29,7 @@ fn main() {
         let t0 = Instant::now();
         let ids = bundle.prompt_ids(None, prompt).expect("tokenize");
         let params = GenerateParams { max_tokens, ..Default::default() };
-        let request = Request { prompt: ids, params, cancel: CancelToken::new() };
+        let request = Request { prompt: ids, params, cancel: CancelToken::new(), constraint: None };
         let mut events = engine.submit(request).expect("submit");
         let stamps = rt.block_on(async {
             let mut stamps = Vec::new();

@@ -75,7 +75,7 @@ impl Generation {
         let mut rest = Vec::with_capacity(specs.len());
         for spec in specs {
             let cancel = CancelToken::new();
-            requests.push(Request { prompt: spec.prompt, params: spec.params, cancel: cancel.clone() });
+            requests.push(Request { prompt: spec.prompt, params: spec.params, cancel: cancel.clone(), constraint: None });
             rest.push((cancel, spec.pipeline, spec.logprobs));
         }
         let receivers = state.engine.submit_group(requests).map_err(|e| match e {

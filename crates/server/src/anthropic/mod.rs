@@ -15,7 +15,7 @@ use crate::errors::{ApiError, ApiResult};
 use crate::http::log::RequestLog;
 use crate::protocol::fields;
 use crate::protocol::chat::ChatRequest;
-use crate::protocol::request::{parse_body, CommonParams};
+use crate::protocol::request::{parse_body_async, CommonParams};
 use crate::protocol::response::Usage;
 use crate::routes::{chat, finished, guarded_as, launch, prompt};
 use crate::state::SharedState;
@@ -26,11 +26,11 @@ use serde_json::{json, Map, Value};
 use std::time::Duration;
 
 pub async fn messages(State(state): State<SharedState>, log: RequestLog, body: Bytes) -> Response {
-    guarded_as(run(&state, &body, &log), ApiError::into_anthropic_response).await
+    guarded_as(run(&state, body, &log), ApiError::into_anthropic_response).await
 }
 
 pub async fn count_tokens(State(state): State<SharedState>, log: RequestLog, body: Bytes) -> Response {
-    guarded_as(count(&state, &body, &log), ApiError::into_anthropic_response).await
+    guarded_as(count(&state, body, &log), ApiError::into_anthropic_response).await
 }
 
 /// The chat request a Messages body stands for (its prefill included).
@@ -50,8 +50,8 @@ fn parse(state: &SharedState, body: &Map<String, Value>, count_only: bool) -> Ap
     Ok(Parsed { common, chat, no_output: t.no_output, hide_thinking: t.hide_thinking })
 }
 
-async fn run(state: &SharedState, body: &[u8], log: &RequestLog) -> ApiResult<Response> {
-    let body = parse_body(body)?;
+async fn run(state: &SharedState, body: Bytes, log: &RequestLog) -> ApiResult<Response> {
+    let body = parse_body_async(body).await?;
     fields::MESSAGES.check(&body, log, &state.warned_fields)?;
     let parsed = parse(state, &body, false)?;
     let id = response::id("msg_");
@@ -109,8 +109,8 @@ async fn without_output(state: &SharedState, parsed: Parsed, id: &str) -> ApiRes
 }
 
 /// `{"input_tokens": n}`: the prompt the same request would run, rendered and tokenized.
-async fn count(state: &SharedState, body: &[u8], log: &RequestLog) -> ApiResult<Response> {
-    let body = parse_body(body)?;
+async fn count(state: &SharedState, body: Bytes, log: &RequestLog) -> ApiResult<Response> {
+    let body = parse_body_async(body).await?;
     fields::MESSAGES.check(&body, log, &state.warned_fields)?;
     let rendered = prompt::chat(state, parse(state, &body, true)?.chat).await?;
     Ok(Json(json!({"input_tokens": rendered.ids.len()})).into_response())

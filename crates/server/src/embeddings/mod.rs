@@ -9,7 +9,7 @@ mod response;
 use crate::errors::{ApiError, ApiResult};
 use crate::http::log::RequestLog;
 use crate::protocol::fields;
-use crate::protocol::request::parse_body;
+use crate::protocol::request::parse_body_async;
 use crate::routes::guarded_as;
 use crate::state::SharedState;
 use axum::body::Bytes;
@@ -22,11 +22,11 @@ use request::Input;
 use std::sync::Arc;
 
 pub async fn create(State(state): State<SharedState>, log: RequestLog, body: Bytes) -> Response {
-    guarded_as(run(&state, &body, &log), ApiError::into_response).await
+    guarded_as(run(&state, body, &log), ApiError::into_response).await
 }
 
-async fn run(state: &SharedState, body: &[u8], log: &RequestLog) -> ApiResult<Response> {
-    let body = parse_body(body)?;
+async fn run(state: &SharedState, body: Bytes, log: &RequestLog) -> ApiResult<Response> {
+    let body = parse_body_async(body).await?;
     fields::EMBEDDINGS.check(&body, log, &state.warned_fields)?;
     let bundle = state.bundle().clone();
     let Some(dim) = bundle.embedding_dim() else {

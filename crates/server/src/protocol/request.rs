@@ -34,9 +34,26 @@ pub struct CommonParams {
     pub speculative: bool,
 }
 
+/// Fields that carry the prompt, never read by the sampling parser.
+const PROMPT_FIELDS: &[&str] = &["messages", "prompt", "tools", "input", "system", "instructions"];
+
 /// The most choices one request may ask for: each is a sequence of the engine's batch, so a
 /// large `n` would take every seat (`--max-seqs`) from other clients.
 pub const MAX_CHOICES: usize = 16;
+
+/// Bodies from this size on are parsed on the blocking pool: parsing megabytes of JSON takes
+/// tens of milliseconds, which on the HTTP worker would hold up every other request (`/health`
+/// included).
+const PARSE_OFF_WORKER: usize = 256 << 10;
+
+/// [`parse_body`], off the HTTP worker for a large body.
+pub async fn parse_body_async(bytes: axum::body::Bytes) -> ApiResult<Map<String, Value>> {
+    if bytes.len() < PARSE_OFF_WORKER {
+        return parse_body(&bytes);
+    }
+    let parsed = tokio::task::spawn_blocking(move || parse_body(&bytes)).await;
+    parsed.map_err(|e| ApiError::internal(format!("parsing the body failed: {e}")))?
+}
 
 /// Parses the body; mlx_lm.server's messages for invalid JSON and a non-object body.
 pub fn parse_body(bytes: &[u8]) -> ApiResult<Map<String, Value>> {
@@ -49,7 +66,10 @@ pub fn parse_body(bytes: &[u8]) -> ApiResult<Map<String, Value>> {
 }
 
 pub fn parse_common(body: &Map<String, Value>, cfg: &ServerConfig, vocab_size: usize) -> ApiResult<CommonParams> {
-    let whole = Value::Object(body.clone());
+    // The sampling parser reads only its own fields: the prompt's (possibly large) ones are
+    // left out of its copy.
+    let sampling_fields = body.iter().filter(|(k, _)| !PROMPT_FIELDS.contains(&k.as_str()));
+    let whole = Value::Object(sampling_fields.map(|(k, v)| (k.clone(), v.clone())).collect());
     let sampling = params_from_body(&whole, &cfg.sampling).map_err(ApiError::from_validation)?;
     ferrolm_sample::validate_for_vocab(&sampling, vocab_size).map_err(ApiError::from_validation)?;
     let logprobs = match sampling.logprobs {

@@ -14,7 +14,7 @@ pub use store::ResponseStore;
 use crate::errors::{ApiError, ApiResult};
 use crate::http::log::RequestLog;
 use crate::protocol::fields;
-use crate::protocol::request::parse_body;
+use crate::protocol::request::parse_body_async;
 use crate::routes::{chat, finished, guarded_as, launch};
 use crate::state::SharedState;
 use axum::body::Bytes;
@@ -25,7 +25,7 @@ use std::time::Duration;
 use store::Stored;
 
 pub async fn create(State(state): State<SharedState>, log: RequestLog, body: Bytes) -> Response {
-    guarded_as(run(&state, &body, &log), ApiError::into_response).await
+    guarded_as(run(&state, body, &log), ApiError::into_response).await
 }
 
 pub async fn get(State(state): State<SharedState>, Path(id): Path<String>) -> Response {
@@ -69,8 +69,8 @@ fn store_flag(body: &Map<String, Value>) -> ApiResult<bool> {
     }
 }
 
-async fn run(state: &SharedState, body: &[u8], log: &RequestLog) -> ApiResult<Response> {
-    let body = parse_body(body)?;
+async fn run(state: &SharedState, body: Bytes, log: &RequestLog) -> ApiResult<Response> {
+    let body = parse_body_async(body).await?;
     fields::RESPONSES.check(&body, log, &state.warned_fields)?;
     let store = store_flag(&body)?;
     let mut conversation = history(state, &body)?;

@@ -11,7 +11,7 @@ use crate::http::log::RequestLog;
 use crate::protocol::chat::{parse_chat, ChatRequest};
 use crate::protocol::fields;
 use crate::protocol::logprobs;
-use crate::protocol::request::{parse_body, parse_common, CommonParams};
+use crate::protocol::request::{parse_body_async, parse_common, CommonParams};
 use crate::protocol::response;
 use crate::state::SharedState;
 use crate::openai_stream::Kind;
@@ -21,7 +21,7 @@ use axum::response::{IntoResponse, Json, Response};
 use serde_json::{Map, Value};
 
 pub async fn handle(State(state): State<SharedState>, log: RequestLog, body: Bytes) -> Response {
-    super::guarded(run(&state, &body, &log)).await
+    super::guarded(run(&state, body, &log)).await
 }
 
 /// Validates a chat body, renders and tokenizes its prompt, and sets the token budget and the
@@ -62,8 +62,8 @@ pub(crate) async fn prepare_parsed(
     Ok(Prepared { common, prompt: prompt.ids, max_tokens, pipeline })
 }
 
-async fn run(state: &SharedState, body: &[u8], log: &RequestLog) -> ApiResult<Response> {
-    let body = parse_body(body)?;
+async fn run(state: &SharedState, body: Bytes, log: &RequestLog) -> ApiResult<Response> {
+    let body = parse_body_async(body).await?;
     fields::CHAT.check(&body, log, &state.warned_fields)?;
     let prepared = prepare(state, &body).await?;
     let n = prepared.common.n;

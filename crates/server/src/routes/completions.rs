@@ -11,7 +11,7 @@ use crate::openai_stream::Kind;
 use crate::protocol::fields;
 use crate::pipeline::PipelineConfig;
 use crate::protocol::logprobs::{self, Legacy};
-use crate::protocol::request::{parse_body, parse_common};
+use crate::protocol::request::{parse_body_async, parse_common};
 use crate::protocol::response;
 use crate::state::SharedState;
 use axum::body::Bytes;
@@ -21,11 +21,11 @@ use ferrolm_sample::MAX_TOP_LOGPROBS;
 use serde_json::{Map, Value};
 
 pub async fn handle(State(state): State<SharedState>, log: RequestLog, body: Bytes) -> Response {
-    super::guarded(run(&state, &body, &log)).await
+    super::guarded(run(&state, body, &log)).await
 }
 
-async fn run(state: &SharedState, body: &[u8], log: &RequestLog) -> ApiResult<Response> {
-    let mut body = parse_body(body)?;
+async fn run(state: &SharedState, body: Bytes, log: &RequestLog) -> ApiResult<Response> {
+    let mut body = parse_body_async(body).await?;
     fields::COMPLETIONS.check(&body, log, &state.warned_fields)?;
     let legacy = legacy_logprobs(&mut body)?;
     let vocab_size = state.bundle().model.info().vocab_size;

@@ -31,7 +31,7 @@ fn render_chat(state: &SharedState, chat: ChatRequest) -> ApiResult<ChatPrompt> 
     let tk = &bundle.tokenizer;
     let mut messages: Vec<Value> = chat.messages.into_iter().map(|m| protect(tk, m)).collect();
     let chat_tools: Vec<Value> = chat.tools.into_iter().map(|t| protect(tk, t)).collect();
-    let Value::Object(template_kwargs) = protect(tk, Value::Object(chat.template_kwargs)) else { unreachable!() };
+    let template_kwargs = protect_map(tk, chat.template_kwargs);
     let mut tools = (!chat_tools.is_empty()).then(|| Value::Array(chat_tools.clone()));
     if !state.template_has_tools {
         if !chat_tools.is_empty() {
@@ -123,13 +123,13 @@ fn protect(tk: &Tokenizer, v: Value) -> Value {
             Cow::Owned(p) => Value::String(p),
         },
         Value::Array(items) => Value::Array(items.into_iter().map(|x| protect(tk, x)).collect()),
-        Value::Object(map) => {
-            let map: Map<String, Value> =
-                map.into_iter().map(|(k, x)| (tk.protect(&k).into_owned(), protect(tk, x))).collect();
-            Value::Object(map)
-        }
+        Value::Object(map) => Value::Object(protect_map(tk, map)),
         other => other,
     }
+}
+
+fn protect_map(tk: &Tokenizer, map: Map<String, Value>) -> Map<String, Value> {
+    map.into_iter().map(|(k, x)| (tk.protect(&k).into_owned(), protect(tk, x))).collect()
 }
 
 #[derive(Debug)]

@@ -88,3 +88,48 @@ def test_round_trip_with_a_tool_result(client):
     r = create(client, messages=messages)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert r.usage.prompt_tokens > create(client).usage.prompt_tokens
+
+
+GREETING = HISTORY + [{"role": "user", "content": "Say hello to me."}]
+
+
+def test_required_tool_choice_forces_a_call(client):
+    # The prompt ends inside an opened call, so the answer is a call of an offered tool.
+    r = create(client, messages=GREETING, tool_choice="required")
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c.message
+    (tc,) = c.message.tool_calls
+    assert tc.function.name == "get_weather"
+    assert isinstance(json.loads(tc.function.arguments), dict)
+    chunks = list(create(client, messages=GREETING, tool_choice="required", stream=True))
+    calls = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert [x.function.name for x in calls] == ["get_weather"]
+    assert "<tool_call>" not in "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+
+
+def test_named_tool_choice_forces_that_call(client):
+    tools = TOOLS + [{"type": "function", "function": {"name": "say_hello", "parameters": {
+        "type": "object", "properties": {"name": {"type": "string"}}}}}]
+    r = create(client, messages=GREETING, tools=tools,
+               tool_choice={"type": "function", "function": {"name": "say_hello"}})
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c.message
+    assert [tc.function.name for tc in c.message.tool_calls] == ["say_hello"]
+
+
+def test_forced_call_is_refused_where_it_cannot_be_opened():
+    from conftest import Server
+    import httpx
+    # A template that reads tools but writes calls in another format.
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if tools %}[TOOLS]{% endif %}<|im_start|>assistant\n")
+    s = Server("--chat-template", template)
+    try:
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+            "messages": GREETING, "tools": TOOLS, "tool_choice": "required", "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+            "messages": GREETING, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 4})
+        assert r.status_code == 200
+    finally:
+        s.stop()

@@ -19,6 +19,10 @@ pub struct AppState {
     /// Whether the chat template reads `tools`; otherwise tools are described in the system
     /// message (see `protocol::tools`).
     pub template_has_tools: bool,
+    /// Whether tool calls are written as `<tool_call>…</tool_call>` (Hermes / Qwen): the
+    /// template says so, or it ignores tools and they are described in that format. A forced
+    /// call (`tool_choice: required`) opens such a block for the model.
+    pub tool_call_tags: bool,
     /// Finished Responses API responses kept for `previous_response_id` and GET.
     pub responses: ResponseStore,
     /// One `/v1/embeddings` computation at a time: each forward already takes every core.
@@ -35,6 +39,7 @@ impl AppState {
         let bundle = engine.bundle().clone();
         let think_tags = think_tags(&bundle);
         let template_has_tools = template_source.is_some_and(|t| t.contains("tools"));
+        let tool_call_tags = !template_has_tools || template_source.is_some_and(|t| t.contains("<tool_call>"));
         let responses = ResponseStore::new(config.responses_store_size);
         AppState {
             engine,
@@ -44,6 +49,7 @@ impl AppState {
             fingerprint: format!("ferrolm-{}", env!("CARGO_PKG_VERSION")),
             think_tags,
             template_has_tools,
+            tool_call_tags,
             responses,
             embed_gate: Arc::new(tokio::sync::Semaphore::new(1)),
             warned_fields: Default::default(),

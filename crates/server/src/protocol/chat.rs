@@ -21,6 +21,18 @@ pub struct ChatRequest {
     /// clients ask for what their own models allow: Claude Code sends 32,000 whatever the
     /// context); false: a request beyond the context is a 400, as in mlx_lm.server.
     pub cap_max_tokens: bool,
+    /// `tool_choice` `required` or a named function: the answer must be a tool call (the
+    /// prompt then ends inside an opened call; see `routes::prompt`).
+    pub force_tool_call: Option<ForcedCall>,
+}
+
+/// A tool call the answer must be.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ForcedCall {
+    /// `required`: a call of any offered tool.
+    Any,
+    /// A named function: a call of that one.
+    Named(String),
 }
 
 pub fn parse_chat(
@@ -29,10 +41,10 @@ pub fn parse_chat(
     has_thinking: bool,
 ) -> ApiResult<ChatRequest> {
     let messages = parse_messages(body)?;
-    let tools = parse_tools(body)?;
+    let (tools, force_tool_call) = parse_tools(body)?;
     let tool_specs = tools.iter().filter_map(ToolSpec::from_openai).collect();
     let template_kwargs = template_kwargs(body, server_args, has_thinking)?;
-    Ok(ChatRequest { messages, tools, tool_specs, template_kwargs, prefill: None, cap_max_tokens: false })
+    Ok(ChatRequest { messages, tools, tool_specs, template_kwargs, prefill: None, cap_max_tokens: false, force_tool_call })
 }
 
 fn parse_messages(body: &Map<String, Value>) -> ApiResult<Vec<Value>> {
@@ -114,9 +126,10 @@ fn parse_call_arguments(i: usize, calls: &mut Value) -> ApiResult<()> {
     Ok(())
 }
 
-fn parse_tools(body: &Map<String, Value>) -> ApiResult<Vec<Value>> {
+/// The offered tools, and whether a call is forced.
+fn parse_tools(body: &Map<String, Value>) -> ApiResult<(Vec<Value>, Option<ForcedCall>)> {
     let tools = match body.get("tools") {
-        None | Some(Value::Null) => return Ok(Vec::new()),
+        None | Some(Value::Null) => return Ok((Vec::new(), None)),
         Some(Value::Array(t)) => t.clone(),
         Some(_) => return Err(ApiError::invalid("tools must be of type list", Some("tools"))),
     };
@@ -128,15 +141,25 @@ fn parse_tools(body: &Map<String, Value>) -> ApiResult<Vec<Value>> {
     select_tools(tools, body.get("tool_choice"))
 }
 
-/// `tool_choice`: `none` offers no tools; a named function offers only that one; `auto`,
-/// `required` and absent offer all (nothing forces a call without a grammar).
-fn select_tools(tools: Vec<Value>, choice: Option<&Value>) -> ApiResult<Vec<Value>> {
+/// `tool_choice`: `none` offers no tools; `auto` and absent offer all; `required` offers all
+/// and forces a call; a named function offers only that one and forces it.
+fn select_tools(tools: Vec<Value>, choice: Option<&Value>) -> ApiResult<(Vec<Value>, Option<ForcedCall>)> {
     let err = |m: String| ApiError::invalid(m, Some("tool_choice"));
     match choice {
-        None | Some(Value::Null) => Ok(tools),
+        None | Some(Value::Null) => Ok((tools, None)),
         Some(Value::String(s)) => match s.as_str() {
-            "none" => Ok(Vec::new()),
-            "auto" | "required" => Ok(tools),
+            "none" => Ok((Vec::new(), None)),
+            "auto" => Ok((tools, None)),
+            // One tool offered: `required` can only mean that one, and naming it in the
+            // opening leaves the model no other name to write.
+            "required" => {
+                let forced = match &tools[..] {
+                    [] => None,
+                    [only] => ToolSpec::from_openai(only).map(|s| ForcedCall::Named(s.name)),
+                    _ => Some(ForcedCall::Any),
+                };
+                Ok((tools, forced))
+            }
             other => Err(err(format!("tool_choice must be 'none', 'auto', 'required' or a function, not '{other}'"))),
         },
         Some(Value::Object(o)) => {
@@ -150,7 +173,7 @@ fn select_tools(tools: Vec<Value>, choice: Option<&Value>) -> ApiResult<Vec<Valu
             if chosen.is_empty() {
                 return Err(err(format!("tool_choice names '{name}', which is not in tools")));
             }
-            Ok(chosen)
+            Ok((chosen, Some(ForcedCall::Named(name.to_string()))))
         }
         Some(_) => Err(err("tool_choice must be of type str or dict".into())),
     }

@@ -46,8 +46,9 @@ pub(crate) async fn prepare_parsed(
 ) -> ApiResult<Prepared> {
     let context = state.context_length();
     let tool_specs = chat.tool_specs.clone();
-    // A prefilled answer goes on from the prefill's last character: no space is trimmed.
-    let trim_leading_space = chat.prefill.is_none();
+    // A prefilled answer (or a forced call's opening) goes on from its last character: no space
+    // is trimmed.
+    let trim_leading_space = chat.prefill.is_none() && chat.force_tool_call.is_none();
     let cap = chat.cap_max_tokens;
     let prompt = prompt::chat(state, chat).await?;
     let (budget, len) = (state.config.max_tokens, prompt.ids.len());
@@ -58,6 +59,7 @@ pub(crate) async fn prepare_parsed(
         reasoning: (state.think_tags.clone()).map(|(s, e)| (s, e, prompt.opens_reasoning)),
         tools: (!tool_specs.is_empty()).then_some(tool_specs),
         trim_leading_space,
+        tool_prefix: prompt.tool_prefix,
     };
     Ok(Prepared { common, prompt: prompt.ids, max_tokens, pipeline })
 }

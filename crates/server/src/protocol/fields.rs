@@ -154,7 +154,8 @@ impl WarnedFields {
         let mut seen = self.0.lock().unwrap_or_else(|p| p.into_inner());
         for name in names {
             if seen.len() < WARNED_MAX && seen.insert(format!("{endpoint} {name}")) {
-                tracing::warn!("{endpoint}: unknown request field `{name}` accepted and not used");
+                // Quoted and escaped: a client's field name cannot forge a log line.
+                tracing::warn!("{endpoint}: unknown request field {name:?} accepted and not used");
             }
         }
     }

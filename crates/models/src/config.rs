@@ -2,7 +2,8 @@
 //! `generation_config.json` (EOS ids and sampling defaults). Each architecture reads the keys it
 //! needs through [`HfConfig`], with the defaults transformers applies when a key is absent.
 
-use crate::llama::LlamaConfig;
+use crate::layers::Routing;
+use crate::llama::{LlamaConfig, MoeConfig};
 use crate::{LoadError, Result};
 use ferrolm_backend::RopeStyle;
 use serde_json::Value;
@@ -92,7 +93,7 @@ impl HfConfig {
     /// `rope_parameters`, flat (`{rope_theta, rope_type, factor…}`) or per layer type
     /// (`{"full_attention": {…}, "sliding_attention": {…}}`, Gemma 3); older configs have
     /// `rope_scaling` (type and factor only) beside a top-level `rope_theta`.
-    fn rope_section(&self, layer_kind: &str) -> Option<&Value> {
+    pub fn rope_section(&self, layer_kind: &str) -> Option<&Value> {
         let s = self.get("rope_scaling").or_else(|| self.get("rope_parameters"))?;
         match s.get(layer_kind) {
             Some(per_kind) if per_kind.is_object() => Some(per_kind),
@@ -160,16 +161,20 @@ impl HfConfig {
 pub const FULL: &str = "full_attention";
 pub const SLIDING: &str = "sliding_attention";
 
-/// `config.json` of the llama family (`llama`, `mistral`, `qwen2`), with transformers'
+/// `config.json` of the llama family (`llama`, `mistral`, `qwen2`, `qwen3`), with transformers'
 /// defaults for absent keys. Checkpoints keep Q/K rows in half-split order (only llama.cpp's
 /// GGUF conversion permutes them).
 pub fn llama_family(c: &HfConfig) -> Result<LlamaConfig> {
     let arch = c.model_type()?;
     let heads = c.usize("num_attention_heads")?;
     let hidden = c.usize("hidden_size")?;
-    if let Some((kind, _)) = c.rope_scaling(FULL)? {
-        return Err(c.error(format!("unsupported rope_scaling type {kind:?} for {arch}")));
-    }
+    let head_dim = c.usize_or("head_dim", hidden / heads)?;
+    let rope_theta = c.rope_theta(FULL, "rope_theta", 10_000.0)?;
+    let rope_freq_factors = match c.rope_scaling(FULL)? {
+        None => None,
+        Some((kind, _)) if kind == "llama3" => Some(llama3_freq_factors(c, head_dim, rope_theta)?),
+        Some((kind, _)) => return Err(c.error(format!("unsupported rope_scaling type {kind:?} for {arch}"))),
+    };
     let act = c.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
     if act != "silu" {
         return Err(c.error(format!("unsupported hidden_act {act:?}")));
@@ -177,8 +182,8 @@ pub fn llama_family(c: &HfConfig) -> Result<LlamaConfig> {
     let layers = c.usize("num_hidden_layers")?;
     let window = match arch.as_str() {
         "mistral" => c.opt_usize("sliding_window")?,
-        "qwen2" if c.bool_or("use_sliding_window", false) => {
-            return Err(c.error("qwen2 with use_sliding_window is not supported".into()))
+        "qwen2" | "qwen3" | "qwen3_moe" if c.bool_or("use_sliding_window", false) => {
+            return Err(c.error(format!("{arch} with use_sliding_window is not supported")))
         }
         _ => None,
     };
@@ -204,14 +209,65 @@ pub fn llama_family(c: &HfConfig) -> Result<LlamaConfig> {
         num_hidden_layers: layers,
         num_attention_heads: heads,
         num_key_value_heads: c.usize_or("num_key_value_heads", heads)?,
-        head_dim: c.usize_or("head_dim", hidden / heads)?,
+        head_dim,
         rms_norm_eps: c.f64_or("rms_norm_eps", 1e-6)?,
-        rope_theta: c.rope_theta(FULL, "rope_theta", 10_000.0)?,
+        rope_theta,
         max_position_embeddings: c.usize_or("max_position_embeddings", 4096)?,
         rope_style: RopeStyle::HalfSplit,
         layer_windows,
+        qk_norm: matches!(arch.as_str(), "qwen3" | "qwen3_moe"),
+        rope_freq_factors,
+        moe: moe_config(c, &arch)?,
         architecture: arch,
     })
+}
+
+/// The experts of a sparse `config.json` (`num_experts`, or `num_local_experts` as Mixtral and
+/// transformers 5 write it); `None` for dense models. Qwen3-MoE and Qwen2-MoE renormalize the
+/// top-k weights when `norm_topk_prob` says so, Mixtral always. Which layers are sparse
+/// (`decoder_sparse_step`, `mlp_only_layers`) is read from the weights: a layer with a router.
+fn moe_config(c: &HfConfig, arch: &str) -> Result<Option<MoeConfig>> {
+    let experts = match c.opt_usize("num_experts")? {
+        Some(n) => Some(n),
+        None => c.opt_usize("num_local_experts")?,
+    };
+    let Some(experts) = experts.filter(|&n| n > 0) else { return Ok(None) };
+    let renormalize = match arch {
+        "mixtral" => true,
+        _ => c.bool_or("norm_topk_prob", false),
+    };
+    let top_k = c.usize("num_experts_per_tok")?;
+    if top_k == 0 || top_k > experts {
+        return Err(c.error(format!("num_experts_per_tok {top_k} for {experts} experts")));
+    }
+    Ok(Some(MoeConfig { experts, routing: Routing { top_k, renormalize } }))
+}
+
+/// Llama 3.x RoPE scaling as a divisor per frequency pair, as transformers'
+/// `_compute_llama3_parameters` and llama.cpp's converter (`rope_freqs.weight`) compute it:
+/// wavelengths shorter than `original / high_freq_factor` are kept, longer than
+/// `original / low_freq_factor` divided by `factor`, those between smoothly interpolated.
+fn llama3_freq_factors(c: &HfConfig, head_dim: usize, theta: f64) -> Result<Vec<f32>> {
+    let s = c.rope_section(FULL).ok_or_else(|| c.error("llama3 rope_scaling without parameters".into()))?;
+    let num = |k: &str| s.get(k).and_then(Value::as_f64).ok_or_else(|| c.error(format!("llama3 rope_scaling without \"{k}\"")));
+    let (factor, low, high) = (num("factor")?, num("low_freq_factor")?, num("high_freq_factor")?);
+    let original = num("original_max_position_embeddings")?;
+    if high <= low {
+        return Err(c.error(format!("llama3 rope_scaling: high_freq_factor {high} must exceed low_freq_factor {low}")));
+    }
+    let (low_wavelen, high_wavelen) = (original / low, original / high);
+    let factors = (0..head_dim / 2).map(|i| {
+        let wavelen = 2.0 * std::f64::consts::PI * theta.powf(2.0 * i as f64 / head_dim as f64);
+        if wavelen < high_wavelen {
+            1.0
+        } else if wavelen > low_wavelen {
+            factor as f32
+        } else {
+            let smooth = (original / wavelen - low) / (high - low);
+            (1.0 / ((1.0 - smooth) / factor + smooth)) as f32
+        }
+    });
+    Ok(factors.collect())
 }
 
 /// Sampling defaults and stop ids from `generation_config.json` (all optional): the layer

@@ -1,8 +1,8 @@
-//! The llama architecture (SmolLM2, Llama 2/3, Mistral without windows): RMSNorm, grouped-query
-//! attention with RoPE, SwiGLU MLP, tied or untied output head. Qwen2 reuses it with QKV biases
-//! and half-split RoPE.
+//! The llama architecture (SmolLM2, Llama 2/3 with Llama 3.x RoPE scaling, Mistral): RMSNorm,
+//! grouped-query attention with RoPE, SwiGLU MLP, tied or untied output head. Qwen2 reuses it
+//! with QKV biases and half-split RoPE, Qwen3 with per-head q/k norms.
 
-use crate::layers::{self, fused_decode_step, Activation, Embedding, FusedLinear, GatedMlp, SelfAttention, SelfAttentionConfig};
+use crate::layers::{self, fused_decode_step, Activation, Embedding, FusedLinear, GatedMlp, MoeMlp, Routing, SelfAttention, SelfAttentionConfig, SharedExpert};
 use crate::loader::{gguf::GgufFile, WeightSource};
 use crate::{CausalLm, ModelInfo, SeqInput};
 use candle_core::{DType, Device, Result, Tensor};
@@ -29,6 +29,31 @@ pub struct LlamaConfig {
     /// Per layer, the sliding window (keys fewer than this many positions back) of a windowed
     /// layer (Mistral); empty when no layer has one.
     pub layer_windows: Vec<Option<usize>>,
+    /// Per-head RMSNorm of queries and keys before RoPE (Qwen3).
+    pub qk_norm: bool,
+    /// Divisors of each RoPE pair's frequency (Llama 3.x scaling: GGUF's `rope_freqs.weight`,
+    /// computed from `rope_scaling` for folders); `None` for plain RoPE.
+    pub rope_freq_factors: Option<Vec<f32>>,
+    /// Mixture-of-experts MLPs (Qwen3-MoE, Qwen2-MoE, Mixtral) on the layers that have a
+    /// router (`blk.N.ffn_gate_inp.weight`); the other layers are dense.
+    pub moe: Option<MoeConfig>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct MoeConfig {
+    pub experts: usize,
+    pub routing: Routing,
+}
+
+impl MoeConfig {
+    /// `<arch>.expert_count` / `expert_used_count`; the renormalization is the family's
+    /// (llama.cpp's graph fixes it per architecture: on for qwen3moe and Mixtral's llama, off
+    /// for qwen2moe).
+    fn from_gguf(f: &GgufFile, arch: &str) -> Option<Self> {
+        let experts = f.opt_u32(&format!("{arch}.expert_count")).filter(|&n| n > 0)? as usize;
+        let top_k = f.opt_u32(&format!("{arch}.expert_used_count")).unwrap_or(2) as usize;
+        Some(Self { experts, routing: Routing { top_k, renormalize: arch != "qwen2moe" } })
+    }
 }
 
 impl LlamaConfig {
@@ -70,9 +95,21 @@ impl LlamaConfig {
                 RopeStyle::HalfSplit
             },
             layer_windows: Vec::new(),
+            qk_norm: matches!(arch.as_str(), "qwen3" | "qwen3moe"),
+            rope_freq_factors: rope_freq_factors(f)?,
+            moe: MoeConfig::from_gguf(f, &arch),
             architecture: arch,
         })
     }
+}
+
+/// llama.cpp's converter writes Llama 3.x RoPE scaling as one divisor per frequency pair.
+fn rope_freq_factors(f: &GgufFile) -> crate::Result<Option<Vec<f32>>> {
+    if !f.has_tensor("rope_freqs.weight") {
+        return Ok(None);
+    }
+    let t = f.tensor("rope_freqs.weight", &Device::Cpu)?;
+    Ok(Some(t.flatten_all()?.to_vec1::<f32>()?))
 }
 
 impl LlamaConfig {
@@ -101,7 +138,29 @@ struct Layer {
     attn_norm: RmsNorm,
     attn: SelfAttention,
     ffn_norm: RmsNorm,
-    mlp: GatedMlp,
+    mlp: Ffn,
+}
+
+/// A layer's feed-forward block.
+enum Ffn {
+    Dense(GatedMlp),
+    Sparse(MoeMlp),
+}
+
+impl Ffn {
+    fn forward(&self, x: &Tensor, decode_rows: usize) -> Result<Tensor> {
+        match self {
+            Ffn::Dense(m) => m.forward(x, decode_rows),
+            Ffn::Sparse(m) => m.forward(x, decode_rows),
+        }
+    }
+
+    fn weight_bytes(&self) -> usize {
+        match self {
+            Ffn::Dense(m) => m.weight_bytes(),
+            Ffn::Sparse(m) => m.weight_bytes(),
+        }
+    }
 }
 
 pub struct Llama {
@@ -121,9 +180,17 @@ impl Llama {
             cfg.head_dim,
             cfg.rope_theta,
             cfg.max_position_embeddings,
-            None,
+            cfg.rope_freq_factors.as_deref(),
             device,
         )?);
+        if let Some(ff) = &cfg.rope_freq_factors {
+            if ff.len() != cfg.head_dim / 2 {
+                return Err(crate::LoadError::File {
+                    path: src.origin(),
+                    message: format!("{} RoPE frequency factors for head_dim {}", ff.len(), cfg.head_dim),
+                });
+            }
+        }
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| load_layer(&cfg, src, device, i, &rope))
             .collect::<crate::Result<Vec<_>>>()?;
@@ -157,12 +224,13 @@ impl Llama {
         }
         let mut x = self.embed.forward_tensor(token, &self.device)?;
         for (layer, (ck, cv)) in self.layers.iter().zip(kv) {
-            if let Some(y) = fused_decode_step(&layer.attn_norm, &layer.attn, &layer.ffn_norm, &layer.mlp, &x, pos, ck, cv)? {
+            let Ffn::Dense(mlp) = &layer.mlp else { return Ok(None) };
+            if let Some(y) = fused_decode_step(&layer.attn_norm, &layer.attn, &layer.ffn_norm, mlp, &x, pos, ck, cv)? {
                 x = y;
                 continue;
             }
             x = layer.attn.forward_static(&x, &layer.attn_norm, pos, ck, cv)?;
-            x = layer.mlp.forward_row(&x, &layer.ffn_norm)?;
+            x = mlp.forward_row(&x, &layer.ffn_norm)?;
         }
         Ok(Some(x))
     }
@@ -199,11 +267,12 @@ fn load_layer(
         Ok(FusedLinear::new(&weights.iter().collect::<Vec<_>>(), &biases, dev)?)
     };
     let eps = cfg.rms_norm_eps as f32;
+    let norm = |n: &str| -> crate::Result<RmsNorm> { Ok(RmsNorm::new(src.tensor(&p(n), dev)?, eps)?) };
     let attn = SelfAttention {
         qkv: fused(&["attn_q", "attn_k", "attn_v"])?,
         o: linear("attn_output.weight", "attn_output.bias")?,
-        q_norm: None,
-        k_norm: None,
+        q_norm: cfg.qk_norm.then(|| norm("attn_q_norm.weight")).transpose()?,
+        k_norm: cfg.qk_norm.then(|| norm("attn_k_norm.weight")).transpose()?,
         rope: rope.clone(),
         cfg: SelfAttentionConfig {
             heads: cfg.num_attention_heads,
@@ -216,17 +285,60 @@ fn load_layer(
             },
         },
     };
-    let mlp = GatedMlp {
-        gate_up: fused(&["ffn_gate", "ffn_up"])?,
-        down: linear("ffn_down.weight", "ffn_down.bias")?,
-        activation: Activation::Silu,
+    let mlp = match cfg.moe {
+        Some(moe) if src.has(&p("ffn_gate_inp.weight")) => Ffn::Sparse(load_moe(moe, src, dev, i)?),
+        _ => Ffn::Dense(GatedMlp {
+            gate_up: fused(&["ffn_gate", "ffn_up"])?,
+            down: linear("ffn_down.weight", "ffn_down.bias")?,
+            activation: Activation::Silu,
+        }),
     };
     Ok(Layer {
-        attn_norm: RmsNorm::new(src.tensor(&p("attn_norm.weight"), dev)?, eps)?,
+        attn_norm: norm("attn_norm.weight")?,
         attn,
-        ffn_norm: RmsNorm::new(src.tensor(&p("ffn_norm.weight"), dev)?, eps)?,
+        ffn_norm: norm("ffn_norm.weight")?,
         mlp,
     })
+}
+
+/// Layer i's router, experts (split from the stacked tensors) and shared expert, if any.
+fn load_moe(moe: MoeConfig, src: &dyn WeightSource, dev: &Device, i: usize) -> crate::Result<MoeMlp> {
+    let p = |n: &str| format!("blk.{i}.{n}");
+    let gate = src.expert_weights(&p("ffn_gate_exps.weight"), moe.experts)?;
+    let up = src.expert_weights(&p("ffn_up_exps.weight"), moe.experts)?;
+    let down = src.expert_weights(&p("ffn_down_exps.weight"), moe.experts)?;
+    let experts = (0..moe.experts)
+        .map(|e| -> crate::Result<GatedMlp> {
+            Ok(GatedMlp {
+                gate_up: FusedLinear::new(&[&gate[e], &up[e]], &[None, None], dev)?,
+                down: Linear::new(&down[e], None, dev)?,
+                activation: Activation::Silu,
+            })
+        })
+        .collect::<crate::Result<Vec<_>>>()?;
+    let shared = match src.has(&p("ffn_gate_shexp.weight")) {
+        false => None,
+        true => Some(SharedExpert {
+            mlp: GatedMlp {
+                gate_up: FusedLinear::new(&[&src.weight(&p("ffn_gate_shexp.weight"))?, &src.weight(&p("ffn_up_shexp.weight"))?], &[None, None], dev)?,
+                down: Linear::new(&src.weight(&p("ffn_down_shexp.weight"))?, None, dev)?,
+                activation: Activation::Silu,
+            },
+            gate: match src.has(&p("ffn_gate_inp_shexp.weight")) {
+                true => Some(Linear::new(&as_matrix(src.weight(&p("ffn_gate_inp_shexp.weight"))?), None, dev)?),
+                false => None,
+            },
+        }),
+    };
+    Ok(MoeMlp { router: Linear::new(&src.weight(&p("ffn_gate_inp.weight"))?, None, dev)?, experts, routing: moe.routing, shared })
+}
+
+/// A vector weight (GGUF's `[hidden]` shared-expert gate) as the one-row matrix `[1, hidden]`.
+fn as_matrix(mut w: ferrolm_backend::Weight) -> ferrolm_backend::Weight {
+    if w.dims.len() == 1 {
+        w.dims.insert(0, 1);
+    }
+    w
 }
 
 impl CausalLm for Llama {
@@ -280,9 +392,10 @@ impl CausalLm for Llama {
         self.lm_head.forward_rows(hidden, hidden.dim(0)?)?.to_dtype(DType::F32)
     }
 
-    /// Windowed layers (Mistral) keep rotating caches, which have no static buffers.
+    /// Windowed layers (Mistral) keep rotating caches, which have no static buffers; expert
+    /// layers route on the host.
     fn has_static_decode(&self) -> bool {
-        self.cfg.layer_windows.iter().all(Option::is_none)
+        self.cfg.layer_windows.iter().all(Option::is_none) && self.layers.iter().all(|l| matches!(l.mlp, Ffn::Dense(_)))
     }
 
     fn decode_static(&self, token: &Tensor, pos: &Tensor, kv: &[(Tensor, Tensor)]) -> Result<Option<Tensor>> {

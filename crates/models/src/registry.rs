@@ -28,13 +28,18 @@ const ARCHITECTURES: &[(&str, Loader)] = &[
     ("llama", load_llama),
     ("mistral", load_llama),
     ("qwen2", load_qwen2),
+    // The llama decoder with per-head q/k norms (LlamaConfig::qk_norm).
+    ("qwen3", load_llama),
+    // …with mixture-of-experts MLPs (LlamaConfig::moe); GGUF and model_type spellings.
+    ("qwen3moe", load_llama),
+    ("qwen3_moe", load_llama),
     ("gemma3", load_gemma3),
     ("gemma3_text", load_gemma3),
     ("bert", load_bert),
 ];
 
 /// Architectures this build can run.
-pub const SUPPORTED: &[&str] = &["llama", "mistral", "qwen2", "gemma3", "gemma3_text", "bert"];
+pub const SUPPORTED: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "qwen3moe", "qwen3_moe", "gemma3", "gemma3_text", "bert"];
 
 impl ModelSource {
     /// A directory is a Hugging Face folder; anything else is read as GGUF.
@@ -146,6 +151,9 @@ mod tests {
         let source = ModelSource::open(&dir).unwrap();
         let err = load(&source, &Device::Cpu).err().unwrap().to_string();
         std::fs::remove_dir_all(&dir).ok();
-        assert!(err.contains("\"phi3\"") && err.contains("gemma3"), "{err}");
+        // The error lists what is supported.
+        for name in ["\"phi3\"", "supported: llama", "qwen3", "qwen3_moe", "gemma3"] {
+            assert!(err.contains(name), "{name} missing from {err}");
+        }
     }
 }

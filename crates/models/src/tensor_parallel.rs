@@ -91,8 +91,8 @@ pub fn load(source: &ModelSource, devices: &[Device], reduce: Box<dyn AllReduce>
         ModelSource::Gguf(f) => f,
         ModelSource::HfDir(m) => m,
     };
-    if !matches!(arch.as_str(), "llama" | "mistral" | "qwen2") || cfg.layer_windows.iter().any(Option::is_some) {
-        return Err(LoadError::UnsupportedArchitecture(format!("{arch} (tensor parallel)"), "llama, mistral without windows, qwen2".into()));
+    if !matches!(arch.as_str(), "llama" | "mistral" | "qwen2") || cfg.layer_windows.iter().any(Option::is_some) || cfg.moe.is_some() {
+        return Err(LoadError::UnsupportedArchitecture(format!("{arch} (tensor parallel)"), "llama and qwen2 dense, mistral without windows".into()));
     }
     TensorParallelLlama::load(cfg, src, devices, reduce)
 }
@@ -139,7 +139,7 @@ fn load_rank(cfg: &LlamaConfig, src: &dyn WeightSource, dev: &Device, rank: Rank
     let heads = rank.share(cfg.num_attention_heads, "attention heads").map_err(shard_err)?;
     let kv = rank.share(cfg.num_key_value_heads, "key/value heads").map_err(shard_err)?;
     let units = rank.share(cfg.intermediate_size, "intermediate units").map_err(shard_err)?;
-    let rope = Arc::new(Rope::new(cfg.rope_style, d, cfg.rope_theta, cfg.max_position_embeddings, None, dev)?);
+    let rope = Arc::new(Rope::new(cfg.rope_style, d, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_freq_factors.as_deref(), dev)?);
     let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
     for i in 0..cfg.num_hidden_layers {
         let p = |n: &str| format!("blk.{i}.{n}");

@@ -5,12 +5,14 @@ mod decoder;
 mod embedding;
 mod fused;
 mod mlp;
+mod moe;
 
 pub use attention::{SelfAttention, SelfAttentionConfig};
 pub use decoder::fused_decode_step;
 pub use embedding::Embedding;
 pub use fused::FusedLinear;
 pub use mlp::{Activation, GatedMlp};
+pub use moe::{MoeMlp, Routing, SharedExpert};
 
 use crate::{RowKind, SeqInput};
 use candle_core::{Result, Tensor};

@@ -47,6 +47,15 @@ pub trait WeightSource {
     /// The file or folder the tensors come from (for error messages).
     fn origin(&self) -> String;
 
+    /// Each expert's `[rows, cols]` matrix of the experts' tensor `name` (GGUF stacks them:
+    /// `blk.N.ffn_gate_exps.weight` is `[experts, rows, cols]`).
+    fn expert_weights(&self, name: &str, experts: usize) -> Result<Vec<Weight>> {
+        split_experts(&self.weight(name)?, experts).map_err(|message| crate::LoadError::File {
+            path: self.origin(),
+            message: format!("{name}: {message}"),
+        })
+    }
+
     fn opt_tensor(&self, name: &str, device: &Device) -> Result<Option<Tensor>> {
         if self.has(name) {
             self.tensor(name, device).map(Some)
@@ -54,6 +63,19 @@ pub trait WeightSource {
             Ok(None)
         }
     }
+}
+
+/// `[experts, rows, cols]` → one `[rows, cols]` weight per expert (a copy of its bytes, which
+/// are contiguous in the stacked tensor).
+fn split_experts(w: &Weight, experts: usize) -> std::result::Result<Vec<Weight>, String> {
+    let [e, rows, cols] = w.dims[..] else {
+        return Err(format!("expected [experts, rows, cols], found {:?}", w.dims));
+    };
+    if e != experts {
+        return Err(format!("{e} experts, the configuration says {experts}"));
+    }
+    let flat = Weight { dtype: w.dtype, dims: vec![e * rows, cols], data: w.data.clone() };
+    (0..e).map(|i| flat.slice_rows(i * rows..(i + 1) * rows)).collect()
 }
 
 impl WeightSource for gguf::GgufFile {

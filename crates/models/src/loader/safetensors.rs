@@ -375,6 +375,11 @@ impl HfModel {
             (_, "ffn_gate") => "mlp.gate_proj",
             (_, "ffn_up") => "mlp.up_proj",
             (_, "ffn_down") => "mlp.down_proj",
+            (_, "ffn_gate_inp") => "mlp.gate",
+            (_, "ffn_gate_shexp") => "mlp.shared_expert.gate_proj",
+            (_, "ffn_up_shexp") => "mlp.shared_expert.up_proj",
+            (_, "ffn_down_shexp") => "mlp.shared_expert.down_proj",
+            (_, "ffn_gate_inp_shexp") => "mlp.shared_expert_gate",
             (Family::Llama, "ffn_norm") => "post_attention_layernorm",
             (Family::Gemma3, "post_attention_norm") => "post_attention_layernorm",
             (Family::Gemma3, "ffn_norm") => "pre_feedforward_layernorm",
@@ -412,6 +417,22 @@ impl WeightSource for HfModel {
 
     fn origin(&self) -> String {
         self.dir.display().to_string()
+    }
+
+    /// Checkpoints keep one tensor per expert (`mlp.experts.3.gate_proj.weight`).
+    fn expert_weights(&self, name: &str, experts: usize) -> Result<Vec<Weight>> {
+        let proj = |tensor: &str| match tensor {
+            "ffn_gate_exps" => Some("gate_proj"),
+            "ffn_up_exps" => Some("up_proj"),
+            "ffn_down_exps" => Some("down_proj"),
+            _ => None,
+        };
+        let parsed = name.strip_prefix("blk.").and_then(|r| r.strip_suffix(".weight")).and_then(|r| r.split_once('.'));
+        let Some((layer, Some(proj))) = parsed.map(|(l, t)| (l, proj(t))) else {
+            return Err(LoadError::File { path: self.dir.display().to_string(), message: format!("no checkpoint name for tensor {name}") });
+        };
+        let p = &self.prefix;
+        (0..experts).map(|e| self.files.weight(&format!("{p}layers.{layer}.mlp.experts.{e}.{proj}.weight"))).collect()
     }
 }
 

@@ -183,6 +183,21 @@ pub struct Args {
     /// simulated ranks on the CPU with `--device cpu`.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     tensor_parallel: u32,
+    /// Durable generations: each running generation appends its tokens to a log in DIR, so
+    /// that after a crash or restart the client's retry (same body, or same Idempotency-Key)
+    /// continues it, byte-identical (docs/durable.md).
+    #[arg(long, value_name = "DIR")]
+    checkpoint_dir: Option<PathBuf>,
+    /// Tokens between two records of a generation's log.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    checkpoint_every: u32,
+    /// Seconds a log that was not completed (cancelled, crashed) is kept for a retry.
+    #[arg(long, default_value_t = 3600.0, value_parser = seconds)]
+    checkpoint_ttl: f64,
+    /// Sync logs to stable storage (group commit on the log's own thread); `false` survives a
+    /// killed process but not a power loss.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    checkpoint_fsync: bool,
 }
 
 impl Args {
@@ -357,8 +372,28 @@ pub fn run(args: Args) -> CliResult<()> {
     let mut engine_config = args.engine_config(&bundle.path)?;
     engine_config.draft = load_draft(&args, &bundle)?;
     let engine = EngineHandle::spawn(Arc::new(bundle), engine_config);
-    let state = Arc::new(AppState::new(engine, config, template_source.as_deref()));
+    let mut app = AppState::new(engine, config, template_source.as_deref());
+    app.durable = args.durability(&app.bundle().path)?;
+    let state = Arc::new(app);
     listen(&args, state, start)
+}
+
+impl Args {
+    /// The checkpoint store of `--checkpoint-dir`, or none.
+    fn durability(&self, model_path: &std::path::Path) -> CliResult<ferrolm_server::durable::Durability> {
+        let Some(dir) = &self.checkpoint_dir else { return Ok(Default::default()) };
+        let model = ferrolm_engine::identity::model_identity(model_path)
+            .map_err(|e| CliError::usage(format!("{}: {e}", model_path.display())))?;
+        let settings = ferrolm_engine::durable::CheckpointSettings {
+            dir: dir.clone(),
+            every: self.checkpoint_every as usize,
+            ttl: Duration::from_secs_f64(self.checkpoint_ttl),
+            fsync: self.checkpoint_fsync,
+            model,
+        };
+        ferrolm_server::durable::Durability::open(settings)
+            .map_err(|e| CliError::usage(format!("--checkpoint-dir {}: {e}", dir.display())))
+    }
 }
 
 /// The draft model (`--draft-model`), on the model's device, if it shares its tokenizer.
@@ -447,7 +482,7 @@ fn listen(args: &Args, state: SharedState, start: Instant) -> CliResult<()> {
         use std::io::Write;
         let _ = std::io::stdout().flush();
         let engine = state.engine.clone();
-        let served = ferrolm_server::serve(state, listener, shutdown()).await.map_err(CliError::runtime);
+        let served = ferrolm_server::serve(state.clone(), listener, shutdown(state)).await.map_err(CliError::runtime);
         // Finished prefixes reach the disk tier before the process ends.
         engine.flush_prompt_cache(std::time::Duration::from_secs(SHUTDOWN_GRACE_SECS));
         served
@@ -467,10 +502,16 @@ fn device_name(device: &candle_core::Device) -> String {
 const SHUTDOWN_GRACE_SECS: u64 = 5;
 
 /// Resolves on Ctrl-C or SIGTERM (new connections stop; open ones may finish), and arms a
-/// timer that ends the process if they do not finish in time.
-async fn shutdown() {
+/// timer that ends the process if they do not finish in time. With `--checkpoint-dir`, running
+/// generations are checkpointed instead (new ones get 503) and the process exits at once:
+/// their clients' retries resume them after the restart.
+async fn shutdown(state: ferrolm_server::SharedState) {
     shutdown_signal().await;
     eprintln!("ferrolm serve: shutting down");
+    if state.durable.store().is_some() {
+        ferrolm_server::durable::drain(&state, std::time::Duration::from_secs(SHUTDOWN_GRACE_SECS)).await;
+        std::process::exit(0);
+    }
     tokio::spawn(async {
         tokio::time::sleep(std::time::Duration::from_secs(SHUTDOWN_GRACE_SECS)).await;
         eprintln!("ferrolm serve: requests still running after {SHUTDOWN_GRACE_SECS} s; exiting");

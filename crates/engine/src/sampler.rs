@@ -25,6 +25,11 @@ pub trait TokenSampler {
     fn is_plain_greedy(&self) -> bool {
         false
     }
+    /// Positions the random stream at `step` draws already made (resuming a checkpointed
+    /// generation); false when this sampler cannot, and the generation must not resume.
+    fn resume_at(&mut self, _step: u64) -> bool {
+        false
+    }
 }
 
 /// The request sampler (mlx-lm semantics) plugs in directly.
@@ -46,6 +51,12 @@ impl TokenSampler for ferrolm_sample::Sampler {
     fn is_plain_greedy(&self) -> bool {
         ferrolm_sample::Sampler::is_plain_greedy(self)
     }
+
+    /// The stream is keyed by (seed, step) alone, so the step is its whole position.
+    fn resume_at(&mut self, step: u64) -> bool {
+        self.set_step(step);
+        true
+    }
 }
 
 /// A borrowed sampler samples as the sampler it borrows (for `generate`).
@@ -60,5 +71,9 @@ impl<T: TokenSampler + ?Sized> TokenSampler for &mut T {
 
     fn is_plain_greedy(&self) -> bool {
         (**self).is_plain_greedy()
+    }
+
+    fn resume_at(&mut self, step: u64) -> bool {
+        (**self).resume_at(step)
     }
 }

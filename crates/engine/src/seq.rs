@@ -22,6 +22,8 @@ pub trait Sink {
     fn is_closed(&self) -> bool {
         false
     }
+    /// Write what a durable generation emitted so far to its log now (graceful shutdown).
+    fn checkpoint(&mut self) {}
 }
 
 /// A request ready to run: the engine's input for one sequence.
@@ -112,6 +114,31 @@ impl<'a> Sequence<'a> {
             seq.ended = Some(Some(FinishReason::Length));
         }
         seq
+    }
+
+    /// Continues a generation that emitted `emitted` before (a checkpoint of an earlier
+    /// process): they are delivered again, in order, and become tokens the cache has not seen.
+    /// The prompt is then forwarded as prompt rows and `emitted` as one multi-token decode row
+    /// (`Want::Decode { pending }`), which is bit-identical to decoding them one at a time, so
+    /// the generation goes on exactly as if never interrupted. Every emitted token was one draw
+    /// of the sampler (no constraint forces tokens), so the random stream resumes at step
+    /// `emitted.len()`.
+    pub fn resume(&mut self, emitted: &[TokenId]) {
+        if emitted.is_empty() || self.is_done() {
+            return;
+        }
+        if self.constraint.is_some() {
+            return self.fail("a constrained generation cannot be resumed from a checkpoint".into());
+        }
+        if !self.sampler.resume_at(emitted.len() as u64) {
+            return self.fail("this sampler cannot resume a checkpointed generation".into());
+        }
+        for &token in emitted {
+            if self.is_done() {
+                break;
+            }
+            self.deliver(token, None);
+        }
     }
 
     /// What the scheduler needs to know.
@@ -320,6 +347,12 @@ impl<'a> Sequence<'a> {
         if !self.is_done() && (self.cancel.is_cancelled() || self.sink.is_closed()) {
             self.ended = Some(Some(FinishReason::Cancelled));
         }
+    }
+
+    /// Writes what this sequence (and the choices waiting on it) emitted to their logs now.
+    pub fn checkpoint(&mut self) {
+        self.sink.checkpoint();
+        self.followers.iter_mut().for_each(Sequence::checkpoint);
     }
 
     /// Ends the generation with an error (reported to this request only).

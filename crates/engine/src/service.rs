@@ -71,18 +71,37 @@ pub enum SubmitError {
     TooLarge { needed: usize, budget: usize },
 }
 
+/// A request that writes a checkpoint log (`durable`): its log's writer, and the tokens an
+/// earlier process emitted (they are delivered again, then the generation continues).
+pub struct Durable {
+    pub checkpointer: crate::durable::Checkpointer,
+    pub resume: Vec<TokenId>,
+}
+
 /// What the engine thread receives.
 enum Job {
     /// Requests of one prompt (one, or OpenAI's `n` choices) with their event channels.
     Run(Vec<(Request, UnboundedSender<Event>)>),
+    /// One request with a checkpoint log.
+    Durable(Request, UnboundedSender<Event>, Durable),
+    /// Wakes an idle engine thread to answer `Control::checkpoints`.
+    Checkpoint,
     /// Write the prompt cache's pending disk entries, then answer.
     Flush(SyncSender<()>),
+}
+
+/// Requests to the engine thread that must not wait behind queued jobs.
+#[derive(Default)]
+struct Control {
+    /// Answered after every durable sequence wrote its emitted tokens to its log.
+    checkpoints: std::sync::Mutex<Vec<SyncSender<()>>>,
 }
 
 /// A cheap handle to the engine thread.
 #[derive(Clone)]
 pub struct EngineHandle {
     jobs: SyncSender<Job>,
+    control: Arc<Control>,
     gauges: Arc<EngineGauges>,
     bundle: Arc<Bundle>,
     kv_budget_tokens: usize,
@@ -95,12 +114,13 @@ impl EngineHandle {
         let gauges = Arc::new(EngineGauges::default());
         let bytes_per_token = bundle.model.make_cache().bytes_per_token();
         let kv_budget_tokens = crate::scheduler::kv_budget_tokens(&cfg.batch, bytes_per_token);
-        let worker = Worker { bundle: bundle.clone(), gauges: gauges.clone(), cfg };
+        let control = Arc::new(Control::default());
+        let worker = Worker { bundle: bundle.clone(), gauges: gauges.clone(), cfg, control: control.clone() };
         std::thread::Builder::new()
             .name("ferrolm-engine".into())
             .spawn(move || worker.run(rx))
             .expect("spawn the engine thread");
-        Self { jobs, gauges, bundle, kv_budget_tokens }
+        Self { jobs, control, gauges, bundle, kv_budget_tokens }
     }
 
     pub fn bundle(&self) -> &Arc<Bundle> {
@@ -133,9 +153,26 @@ impl EngineHandle {
             receivers.push(rx);
             pairs.push((r, events));
         }
+        self.queue(Job::Run(pairs))?;
+        Ok(receivers)
+    }
+
+    /// Queues one request that writes a checkpoint log and, when `durable.resume` holds
+    /// tokens, continues the generation that emitted them (`Sequence::resume`).
+    pub fn submit_durable(&self, request: Request, durable: Durable) -> Result<UnboundedReceiver<Event>, SubmitError> {
+        let needed = request.prompt.len() + request.params.max_tokens;
+        if needed > self.kv_budget_tokens {
+            return Err(SubmitError::TooLarge { needed, budget: self.kv_budget_tokens });
+        }
+        let (events, rx) = unbounded_channel();
+        self.queue(Job::Durable(request, events, durable))?;
+        Ok(rx)
+    }
+
+    fn queue(&self, job: Job) -> Result<(), SubmitError> {
         self.gauges.queued.fetch_add(1, Ordering::SeqCst);
-        match self.jobs.try_send(Job::Run(pairs)) {
-            Ok(()) => Ok(receivers),
+        match self.jobs.try_send(job) {
+            Ok(()) => Ok(()),
             Err(e) => {
                 self.gauges.queued.fetch_sub(1, Ordering::SeqCst);
                 Err(match e {
@@ -148,6 +185,16 @@ impl EngineHandle {
 }
 
 impl EngineHandle {
+    /// Has every running or waiting durable sequence write what it emitted to its log (at
+    /// shutdown), waiting at most `timeout`; returns whether the engine thread answered.
+    pub fn checkpoint_all(&self, timeout: std::time::Duration) -> bool {
+        let (done, wait) = sync_channel(1);
+        self.control.checkpoints.lock().unwrap_or_else(|p| p.into_inner()).push(done);
+        // An idle engine thread waits for a job; a busy one sees the request at its next step.
+        let _ = self.jobs.try_send(Job::Checkpoint);
+        wait.recv_timeout(timeout).is_ok()
+    }
+
     /// Waits until the prompt cache's disk tier has written every finished prefix (at
     /// shutdown: entries then survive the process), at most `timeout`.
     pub fn flush_prompt_cache(&self, timeout: std::time::Duration) {
@@ -158,14 +205,18 @@ impl EngineHandle {
     }
 }
 
-/// A request's events channel as the sequence's sink.
+/// A request's events channel as the sequence's sink (and its log, when durable).
 struct ChannelSink {
     events: UnboundedSender<Event>,
     cancel: CancelToken,
+    checkpointer: Option<crate::durable::Checkpointer>,
 }
 
 impl Sink for ChannelSink {
     fn token(&mut self, event: TokenEvent) -> Flow {
+        if let Some(c) = self.checkpointer.as_mut() {
+            c.token(event.token);
+        }
         match self.events.send(Event::Token(event)) {
             Ok(()) if !self.cancel.is_cancelled() => Flow::Continue,
             _ => Flow::Stop,
@@ -182,12 +233,19 @@ impl Sink for ChannelSink {
     fn is_closed(&self) -> bool {
         self.events.is_closed()
     }
+
+    fn checkpoint(&mut self) {
+        if let Some(c) = self.checkpointer.as_mut() {
+            c.checkpoint();
+        }
+    }
 }
 
 struct Worker {
     bundle: Arc<Bundle>,
     gauges: Arc<EngineGauges>,
     cfg: EngineConfig,
+    control: Arc<Control>,
 }
 
 impl Worker {
@@ -216,6 +274,7 @@ impl Worker {
                 let Ok(job) = jobs.try_recv() else { break };
                 self.add(&mut batch, job);
             }
+            self.answer_checkpoints(&mut batch);
             let gauges = &self.gauges;
             let stepped = std::panic::catch_unwind(AssertUnwindSafe(|| batch.step(&|| gauges.queued.load(Ordering::Relaxed) > 0)));
             match stepped {
@@ -234,10 +293,22 @@ impl Worker {
         }
     }
 
+    fn answer_checkpoints(&self, batch: &mut Batch<'_>) {
+        let waiters = std::mem::take(&mut *self.control.checkpoints.lock().unwrap_or_else(|p| p.into_inner()));
+        if !waiters.is_empty() {
+            batch.checkpoint_all();
+            for w in waiters {
+                let _ = w.send(());
+            }
+        }
+    }
+
     /// Turns a queued job into sequences of the batch (or answers it at once).
     fn add(&self, batch: &mut Batch<'_>, job: Job) {
         let requests = match job {
             Job::Run(requests) => requests,
+            Job::Durable(r, events, durable) => return self.add_durable(batch, r, events, durable),
+            Job::Checkpoint => return self.answer_checkpoints(batch),
             Job::Flush(done) => {
                 batch.flush_prompt_cache();
                 let _ = done.send(());
@@ -251,7 +322,7 @@ impl Worker {
             if events.is_closed() || r.cancel.is_cancelled() {
                 continue;
             }
-            match self.sequence_request(r, events) {
+            match self.sequence_request(r, events, None) {
                 Some(req) => reqs.push(req),
                 None => continue,
             }
@@ -261,8 +332,24 @@ impl Worker {
         }
     }
 
+    /// A durable request: its sink also writes its log; a resumed one replays its tokens.
+    fn add_durable(&self, batch: &mut Batch<'_>, r: Request, events: UnboundedSender<Event>, durable: Durable) {
+        self.gauges.queued.fetch_sub(1, Ordering::SeqCst);
+        if events.is_closed() || r.cancel.is_cancelled() {
+            return;
+        }
+        let Durable { checkpointer, resume } = durable;
+        let Some(req) = self.sequence_request(r, events, Some(checkpointer)) else { return };
+        batch.add_resumed(req, self.bundle.model.make_cache(), &resume);
+    }
+
     /// The sequence of one request, or None after answering it with an error.
-    fn sequence_request(&self, r: Request, events: UnboundedSender<Event>) -> Option<SeqRequest<'static>> {
+    fn sequence_request(
+        &self,
+        r: Request,
+        events: UnboundedSender<Event>,
+        checkpointer: Option<crate::durable::Checkpointer>,
+    ) -> Option<SeqRequest<'static>> {
         let b = &self.bundle;
         let cfg = SamplerConfig { vocab_size: b.model.info().vocab_size, xtc_special_tokens: b.xtc_special_tokens(), ..Default::default() };
         let sampler = match Sampler::new(&r.params.sampling, &cfg) {
@@ -274,7 +361,7 @@ impl Worker {
         };
         let mut eos_ids = b.eos_ids.clone();
         eos_ids.extend(&r.params.stop_token_ids);
-        let sink = ChannelSink { events, cancel: r.cancel.clone() };
+        let sink = ChannelSink { events, cancel: r.cancel.clone(), checkpointer };
         Some(SeqRequest { prompt: r.prompt, params: r.params, eos_ids, cancel: r.cancel, sampler: Box::new(sampler), sink: Box::new(sink), constraint: r.constraint })
     }
 }

@@ -106,6 +106,16 @@ impl<'a> Batch<'a> {
         self.add_group(vec![req], cache)
     }
 
+    /// Queues a request that continues a checkpointed generation: `emitted` (the tokens it
+    /// produced before) are delivered again and then forwarded with the prompt (`Sequence::resume`).
+    pub fn add_resumed(&mut self, req: SeqRequest<'a>, cache: SeqCache, emitted: &[ferrolm_core::TokenId]) -> u64 {
+        let mut seq = self.sequence(req, cache);
+        seq.resume(emitted);
+        let id = seq.id;
+        self.waiting.push_back(seq);
+        id
+    }
+
     /// Queues requests of one prompt (OpenAI's `n` choices): the first prefills it, the others
     /// start from a copy of its cache. Returns the first one's id (the others follow it).
     pub fn add_group(&mut self, reqs: Vec<SeqRequest<'a>>, cache: SeqCache) -> u64 {
@@ -184,6 +194,11 @@ impl<'a> Batch<'a> {
         }
         self.retire(&mut report);
         report
+    }
+
+    /// Writes every durable sequence's emitted tokens to its log now (graceful shutdown).
+    pub fn checkpoint_all(&mut self) {
+        self.running.iter_mut().chain(self.waiting.iter_mut()).for_each(Sequence::checkpoint);
     }
 
     /// Ends every sequence with `message` (after a step that panicked outside any sequence's

@@ -195,8 +195,9 @@ impl ApiError {
     fn respond(self, body: Value) -> Response {
         let mut response = (self.status, axum::Json(body)).into_response();
         response.extensions_mut().insert(ErrorNote(self.message.clone()));
-        // A full queue drains within seconds: tell clients (and SDKs' retry logic) when to retry.
-        if self.status == StatusCode::TOO_MANY_REQUESTS {
+        // A full queue drains within seconds, and a server shutting down comes back as soon as
+        // it restarts: tell clients (and SDKs' retry logic) when to retry.
+        if self.status == StatusCode::TOO_MANY_REQUESTS || self.status == StatusCode::SERVICE_UNAVAILABLE {
             response.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
         }
         response

@@ -60,14 +60,18 @@ pub struct Generation {
     stop_hit: Option<String>,
     pending: Piece,
     ended: bool,
+    /// A durable generation's log, removed once the answer is complete.
+    durable: Option<crate::durable::Done>,
 }
 
 impl Generation {
     /// Queues generations of one prompt (OpenAI's `n` choices, each with its own sampling
     /// parameters): the engine computes the prompt once and copies its cache for the others.
     /// TTFT counts from when the HTTP request came in (`log.arrived()`).
-    pub fn start_group(state: &SharedState, specs: Vec<GenerationSpec>, log: &RequestLog) -> ApiResult<Vec<Self>> {
+    pub fn start_group(state: &SharedState, mut specs: Vec<GenerationSpec>, log: &RequestLog) -> ApiResult<Vec<Self>> {
         let prompt_tokens = specs.first().map_or(0, |s| s.prompt.len());
+        // A durable request takes its seed (and the tokens to resume from) from its log.
+        let planned = crate::durable::prepare(state, &mut specs, log)?;
         if let Some(first) = specs.first() {
             log.prompt(|| state.bundle().tokenizer.decode(&first.prompt, false));
         }
@@ -78,7 +82,7 @@ impl Generation {
             requests.push(Request { prompt: spec.prompt, params: spec.params, cancel: cancel.clone(), constraint: None });
             rest.push((cancel, spec.pipeline, spec.logprobs));
         }
-        let receivers = state.engine.submit_group(requests).map_err(|e| match e {
+        let (receivers, mut done) = crate::durable::submit(state, requests, planned).map_err(|e| match e {
             SubmitError::QueueFull => ApiError::queue_full(),
             SubmitError::Stopped => ApiError::unavailable(e.to_string()),
             SubmitError::TooLarge { .. } => ApiError::invalid(e.to_string(), Some("max_tokens")),
@@ -102,6 +106,7 @@ impl Generation {
             stop_hit: None,
             pending: Piece::default(),
             ended: false,
+            durable: done.take(),
         });
         Ok(gens.collect())
     }
@@ -204,6 +209,11 @@ impl Generation {
         let tail = self.pipeline.finish();
         self.add(tail);
         self.ended = true;
+        // Answered whole (or failed for good): a retry starts over, so the log goes. A client
+        // that left (drop without an end) keeps it for its retry.
+        if let Some(d) = self.durable.take() {
+            d.complete();
+        }
         self.state.metrics.duration(self.arrived.elapsed().as_secs_f64());
         let end = match end {
             End::Finished { reason, usage, stop } if self.saw_tool_calls && reason == "stop" => {

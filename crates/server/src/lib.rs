@@ -8,6 +8,7 @@
 mod anthropic;
 mod choices;
 pub mod config;
+pub mod durable;
 mod embeddings;
 pub mod errors;
 mod generation;

@@ -27,6 +27,8 @@ pub struct AppState {
     pub responses: ResponseStore,
     /// One `/v1/embeddings` computation at a time: each forward already takes every core.
     pub embed_gate: Arc<tokio::sync::Semaphore>,
+    /// Checkpoint logs of running generations (`--checkpoint-dir`) and the shutdown state.
+    pub durable: crate::durable::Durability,
     /// Unknown request fields already warned about (one warning per name).
     pub warned_fields: crate::protocol::fields::WarnedFields,
 }
@@ -52,6 +54,7 @@ impl AppState {
             tool_call_tags,
             responses,
             embed_gate: Arc::new(tokio::sync::Semaphore::new(1)),
+            durable: Default::default(),
             warned_fields: Default::default(),
         }
     }

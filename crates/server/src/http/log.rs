@@ -46,6 +46,8 @@ struct Fields {
     error: Option<String>,
     ignored: Vec<String>,
     prompt: Option<String>,
+    /// The client's `Idempotency-Key` header (durable generations: its retry resumes).
+    idempotency_key: Option<String>,
 }
 
 impl RequestLog {
@@ -85,6 +87,11 @@ impl RequestLog {
         let mut f = self.fields();
         f.completion_tokens += completion;
         f.finish = Some(reason);
+    }
+
+    /// The request's `Idempotency-Key` header, when it sent a usable one.
+    pub fn idempotency_key(&self) -> Option<String> {
+        self.fields().idempotency_key.clone()
     }
 
     /// Fields of the request that the server does not know (accepted, not used).
@@ -150,6 +157,7 @@ pub async fn access_log(State(state): State<SharedState>, mut req: Request, next
     };
     let client = req.extensions().get::<ConnectInfo<SocketAddr>>().map(|c| c.0);
     let log = RequestLog::new(id, req.method().to_string(), route, client, state.config.log_prompts);
+    log.fields().idempotency_key = idempotency_key(&req);
     req.extensions_mut().insert(log.clone());
     let resp = next.run(req).await;
     {
@@ -201,6 +209,12 @@ fn client_id(req: &Request) -> Option<String> {
     let v = req.headers().get("x-request-id")?.to_str().ok()?;
     let plain = !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b));
     plain.then(|| v.to_string())
+}
+
+/// `Idempotency-Key`: printable ASCII, at most 255 bytes (longer or binary keys are ignored).
+fn idempotency_key(req: &Request) -> Option<String> {
+    let v = req.headers().get("idempotency-key")?.to_str().ok()?;
+    (!v.is_empty() && v.len() <= 255).then(|| v.to_string())
 }
 
 fn new_id() -> String {

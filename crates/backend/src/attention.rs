@@ -4,6 +4,8 @@
 
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 use crate::cpu::attn::{self, Call, Kv};
+use crate::cpu::kv_rows::QKv;
+use crate::kv_quant::{self, KvQuant};
 use crate::cpu::math;
 use crate::cpu::simd::{level, multiversion_plain, MulAdd};
 use crate::cpu::threads::{parallel_ranges, SharedOut};
@@ -30,17 +32,31 @@ pub struct Positions {
 /// q `[T, Hq, D]`, k and v `[Hkv, S, D]` → `[T, Hq·D]`: queries of decode rows (one token of a
 /// sequence, or a few being verified), each on the kernel a lone decode uses.
 pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, pos: Positions, p: &AttentionParams) -> candle_core::Result<Tensor> {
-    attend_as(q, k, v, pos, p, false)
+    attend_as(q, k, v, None, pos, p, false)
+}
+
+/// `attend` over keys and values stored as `quant` says: `None` float tensors, else quantized
+/// rows (U8 `[Hkv, S, row_bytes]`, see `kv_quant`).
+pub fn attend_quant(q: &Tensor, k: &Tensor, v: &Tensor, quant: Option<KvQuant>, pos: Positions, p: &AttentionParams) -> candle_core::Result<Tensor> {
+    attend_as(q, k, v, quant, pos, p, false)
 }
 
 /// `attend` for the queries of a prompt chunk: on the CPU always the tiled prefill kernel,
 /// whose result for a query does not depend on the other queries of its call, so a prompt's
 /// attention is the same however it was cut into chunks (a chunk of one token included).
 pub fn attend_prompt(q: &Tensor, k: &Tensor, v: &Tensor, pos: Positions, p: &AttentionParams) -> candle_core::Result<Tensor> {
-    attend_as(q, k, v, pos, p, true)
+    attend_as(q, k, v, None, pos, p, true)
 }
 
-fn attend_as(q: &Tensor, k: &Tensor, v: &Tensor, pos: Positions, p: &AttentionParams, prompt: bool) -> candle_core::Result<Tensor> {
+/// `attend_prompt` over keys and values stored as `quant` says (see [`attend_quant`]).
+pub fn attend_prompt_quant(q: &Tensor, k: &Tensor, v: &Tensor, quant: Option<KvQuant>, pos: Positions, p: &AttentionParams) -> candle_core::Result<Tensor> {
+    attend_as(q, k, v, quant, pos, p, true)
+}
+
+fn attend_as(q: &Tensor, k: &Tensor, v: &Tensor, quant: Option<KvQuant>, pos: Positions, p: &AttentionParams, prompt: bool) -> candle_core::Result<Tensor> {
+    if let Some(qf) = quant {
+        return attend_quantized(q, k, v, qf, pos, p, prompt);
+    }
     let (_, hq, _) = q.dims3()?;
     let (hkv, _, _) = k.dims3()?;
     if hq % hkv != 0 {
@@ -53,17 +69,38 @@ fn attend_as(q: &Tensor, k: &Tensor, v: &Tensor, pos: Positions, p: &AttentionPa
         let t = q.dims()[0];
         let reads_f16 = prompt || (t == 1 && decode_kernel(q.dims()[2])) || t >= TILED_MIN_TOKENS;
         if kv_is(DType::F16) && !reads_f16 {
-            return attend_as(q, &k.to_dtype(DType::F32)?, &v.to_dtype(DType::F32)?, pos, p, prompt);
+            return attend_as(q, &k.to_dtype(DType::F32)?, &v.to_dtype(DType::F32)?, None, pos, p, prompt);
         }
         if kv_is(DType::F32) || kv_is(DType::F16) {
             let q = q.contiguous()?;
-            return q.apply_op3_no_bwd(k, v, &AttendCpu { pos, params: *p, prompt });
+            return q.apply_op3_no_bwd(k, v, &AttendCpu { pos, params: *p, prompt, quant: None });
         }
     }
     if !matches!(q.device(), Device::Cpu) {
         return crate::attention_device::attend(q, k, v, pos, p);
     }
     attend_generic(q, k, v, pos, p)
+}
+
+/// Attention over quantized rows: the decode and tiled kernels read them directly (decode
+/// dequantizes in registers, the tiled kernel while packing its panels); the per-row kernel
+/// (2 or 3 rows without AVX-512 decode) and other devices get the rows dequantized to f32.
+fn attend_quantized(q: &Tensor, k: &Tensor, v: &Tensor, quant: KvQuant, pos: Positions, p: &AttentionParams, prompt: bool) -> candle_core::Result<Tensor> {
+    let (t, hq, d) = q.dims3()?;
+    let (hkv, _, row) = k.dims3()?;
+    if hq % hkv != 0 {
+        candle_core::bail!("attention: {hq} query heads are not a multiple of {hkv} kv heads")
+    }
+    if k.dtype() != DType::U8 || v.dtype() != DType::U8 || row != quant.row_bytes(d) {
+        candle_core::bail!("attention: {} keys are not {} rows of head size {d}", k.dtype().as_str(), quant.name())
+    }
+    let direct = prompt || (t == 1 && decode_kernel(d)) || t >= TILED_MIN_TOKENS;
+    if matches!(q.device(), Device::Cpu) && q.dtype() == DType::F32 && direct {
+        let q = q.contiguous()?;
+        return q.apply_op3_no_bwd(k, v, &AttendCpu { pos, params: *p, prompt, quant: Some(quant) });
+    }
+    let (k, v) = (kv_quant::dequantize(quant, k, d)?, kv_quant::dequantize(quant, v, d)?);
+    attend_as(q, &k.to_dtype(q.dtype())?, &v.to_dtype(q.dtype())?, None, pos, p, prompt)
 }
 
 /// One sequence's decode rows in a batch: q `[T, Hq, D]` (one token, or the pending token and
@@ -73,6 +110,8 @@ pub struct DecodeQuery<'a> {
     pub q: &'a Tensor,
     pub k: &'a Tensor,
     pub v: &'a Tensor,
+    /// How k and v are stored (see [`attend_quant`]).
+    pub quant: Option<KvQuant>,
     pub pos: Positions,
 }
 
@@ -83,7 +122,7 @@ pub struct DecodeQuery<'a> {
 pub fn attend_decode_batch(queries: &[DecodeQuery<'_>], p: &AttentionParams) -> candle_core::Result<Tensor> {
     if let [one] = queries {
         if one.q.dims()[0] == 1 {
-            return attend(one.q, one.k, one.v, one.pos, p);
+            return attend_quant(one.q, one.k, one.v, one.quant, one.pos, p);
         }
     }
     #[cfg(target_arch = "x86_64")]
@@ -96,7 +135,7 @@ pub fn attend_decode_batch(queries: &[DecodeQuery<'_>], p: &AttentionParams) -> 
             let pos = Positions { query_start: d.pos.query_start + r, key_start: d.pos.key_start };
             let keys = (pos.query_start + 1).saturating_sub(pos.key_start).min(d.k.dims()[1]);
             let (k, v) = (d.k.narrow(1, 0, keys)?, d.v.narrow(1, 0, keys)?);
-            outs.push(attend(&d.q.narrow(0, r, 1)?, &k, &v, pos, p)?);
+            outs.push(attend_quant(&d.q.narrow(0, r, 1)?, &k, &v, d.quant, pos, p)?);
         }
     }
     Tensor::cat(&outs, 0)
@@ -107,22 +146,53 @@ pub fn attend_decode_batch(queries: &[DecodeQuery<'_>], p: &AttentionParams) -> 
 #[cfg(target_arch = "x86_64")]
 fn decode_batch_cpu(queries: &[DecodeQuery<'_>], p: &AttentionParams) -> candle_core::Result<Option<Tensor>> {
     let Some(first) = queries.first() else { return Ok(None) };
-    let kv_dtype = first.k.dtype();
+    let (kv_dtype, quant) = (first.k.dtype(), first.quant);
     let fits = |d: &DecodeQuery| {
-        matches!(d.q.device(), Device::Cpu) && d.q.dtype() == DType::F32 && d.k.dtype() == kv_dtype && d.v.dtype() == kv_dtype
+        matches!(d.q.device(), Device::Cpu) && d.q.dtype() == DType::F32 && d.k.dtype() == kv_dtype && d.v.dtype() == kv_dtype && d.quant == quant
     };
     if !queries.iter().all(fits) || !decode_kernel(first.q.dims()[2]) {
         return Ok(None);
     }
-    match kv_dtype {
-        DType::F16 => decode_batch_typed::<half::f16>(queries, p).map(Some),
-        DType::F32 => decode_batch_typed::<f32>(queries, p).map(Some),
+    match (kv_dtype, quant) {
+        (DType::F16, None) => decode_batch_typed::<FloatRows<half::f16>>(queries, p).map(Some),
+        (DType::F32, None) => decode_batch_typed::<FloatRows<f32>>(queries, p).map(Some),
+        (DType::U8, Some(_)) => decode_batch_typed::<QuantRows>(queries, p).map(Some),
         _ => Ok(None),
     }
 }
 
+/// How a query's cache storage is viewed as rows for the decode kernel.
 #[cfg(target_arch = "x86_64")]
-fn decode_batch_typed<E: crate::cpu::decode_attn::Elem + candle_core::WithDType>(queries: &[DecodeQuery<'_>], p: &AttentionParams) -> candle_core::Result<Tensor> {
+trait RowsOf {
+    type R<'a>: crate::cpu::decode_attn::Rows;
+    fn view<'a>(s: &'a CpuStorage, l: &Layout, quant: Option<KvQuant>, d: usize) -> candle_core::Result<Self::R<'a>>;
+}
+
+#[cfg(target_arch = "x86_64")]
+struct FloatRows<E>(std::marker::PhantomData<E>);
+
+#[cfg(target_arch = "x86_64")]
+impl<E: crate::cpu::decode_attn::Elem + candle_core::WithDType> RowsOf for FloatRows<E> {
+    type R<'a> = Kv<'a, E>;
+    fn view<'a>(s: &'a CpuStorage, l: &Layout, _: Option<KvQuant>, _: usize) -> candle_core::Result<Kv<'a, E>> {
+        kv_view(s.as_slice::<E>()?, l)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct QuantRows;
+
+#[cfg(target_arch = "x86_64")]
+impl RowsOf for QuantRows {
+    type R<'a> = QKv<'a>;
+    fn view<'a>(s: &'a CpuStorage, l: &Layout, quant: Option<KvQuant>, d: usize) -> candle_core::Result<QKv<'a>> {
+        let quant = quant.ok_or_else(|| candle_core::Error::Msg("attention: quantized rows without a format".into()))?;
+        qkv_view(s.as_slice::<u8>()?, l, quant, d)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn decode_batch_typed<V: RowsOf>(queries: &[DecodeQuery<'_>], p: &AttentionParams) -> candle_core::Result<Tensor> {
     use crate::cpu::decode_attn::{attend_many, DecodeCall};
     use candle_core::Storage;
     let qs = queries.iter().map(|d| d.q.contiguous()).collect::<candle_core::Result<Vec<_>>>()?;
@@ -133,7 +203,7 @@ fn decode_batch_typed<E: crate::cpu::decode_attn::Elem + candle_core::WithDType>
         let (t, hq, dim) = d.q.dims3()?;
         let (hkv, _, _) = d.k.dims3()?;
         let q_all = &qc.as_slice::<f32>()?[ql.start_offset()..ql.start_offset() + t * hq * dim];
-        let (k, v) = (kv_view(kc.as_slice::<E>()?, kl)?, kv_view(vc.as_slice::<E>()?, vl)?);
+        let (k, v) = (V::view(kc, kl, d.quant, dim)?, V::view(vc, vl, d.quant, dim)?);
         for (r, q) in q_all.chunks_exact(hq * dim).enumerate() {
             // Row r sees the keys a lone decode at its position would hold.
             let qpos = d.pos.query_start + r;
@@ -145,7 +215,7 @@ fn decode_batch_typed<E: crate::cpu::decode_attn::Elem + candle_core::WithDType>
     let width = calls[0].hq * calls[0].d;
     let mut out = vec![0f32; calls.len() * width];
     let mut outs: Vec<&mut [f32]> = out.chunks_exact_mut(width).collect();
-    let refs: Vec<&DecodeCall<E>> = calls.iter().collect();
+    let refs: Vec<&DecodeCall<V::R<'_>>> = calls.iter().collect();
     attend_many(&refs, &mut outs);
     let rows = calls.len();
     Tensor::from_vec(out, (rows, width), &Device::Cpu)
@@ -202,6 +272,8 @@ struct AttendCpu {
     params: AttentionParams,
     /// Prompt rows: always the tiled kernel (see `attend_prompt`).
     prompt: bool,
+    /// Quantized rows (U8 storage), see `kv_quant`.
+    quant: Option<KvQuant>,
 }
 
 impl CustomOp3 for AttendCpu {
@@ -223,6 +295,12 @@ impl CustomOp3 for AttendCpu {
         let (hkv, s, _) = kl.shape().dims3()?;
         let q = &q[ql.start_offset()..ql.start_offset() + t * hq * d];
         let mut out = vec![0f32; t * hq * d];
+        if let Some(quant) = self.quant {
+            let (CpuStorage::U8(kd), CpuStorage::U8(vd)) = (ks, vs) else { candle_core::bail!("attention: expected quantized (u8) kv") };
+            let (k, v) = (qkv_view(kd, kl, quant, d)?, qkv_view(vd, vl, quant, d)?);
+            self.quantized(q, (t, hq, hkv, s, d), k, v, &mut out)?;
+            return Ok((CpuStorage::F32(out), Shape::from((t, hq * d))));
+        }
         if !self.prompt && t == 1 && decode_kernel(d) {
             let (lo, hi) = visible_keys(self.pos.query_start, s, self.pos, self.params.window);
             #[cfg(target_arch = "x86_64")]
@@ -281,6 +359,26 @@ impl CustomOp3 for AttendCpu {
     }
 }
 
+impl AttendCpu {
+    /// Quantized rows: one token on the decode kernel, else the tiled kernel (`attend_quantized`
+    /// sends nothing else here).
+    fn quantized(&self, q: &[f32], (t, hq, hkv, s, d): (usize, usize, usize, usize, usize), k: QKv, v: QKv, out: &mut [f32]) -> candle_core::Result<()> {
+        let (pos, window, scale, softcap) = (self.pos, self.params.window, self.params.scale, self.params.softcap);
+        if !self.prompt && t == 1 && decode_kernel(d) {
+            let (lo, hi) = visible_keys(pos.query_start, s, pos, window);
+            #[cfg(target_arch = "x86_64")]
+            crate::cpu::decode_attn::attend(&crate::cpu::decode_attn::DecodeCall { q, k, v, hq, hkv, d, lo, hi, scale, softcap }, out);
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = (lo, hi);
+            return Ok(());
+        }
+        let visible = move |i: usize| visible_keys(pos.query_start + i, s, pos, window);
+        let call = Call { q, t, hq, hkv, s, d, scale, softcap, visible: &visible };
+        attn::attend(level(), &call, k, v, out);
+        Ok(())
+    }
+}
+
 /// Whether single-token attention with head size `d` runs on `cpu::decode_attn`.
 fn decode_kernel(d: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -299,6 +397,15 @@ fn kv_view<'a, E>(data: &'a [E], layout: &Layout) -> candle_core::Result<Kv<'a, 
         candle_core::bail!("attention: kv head_dim must be contiguous")
     }
     Ok(Kv { data: &data[layout.start_offset()..], head_stride: stride[0], token_stride: stride[1] })
+}
+
+/// A `[H, S, row_bytes]` view of quantized rows of head size `d`.
+fn qkv_view<'a>(data: &'a [u8], layout: &Layout, quant: KvQuant, d: usize) -> candle_core::Result<QKv<'a>> {
+    let kv = kv_view(data, layout)?;
+    if layout.dims()[2] != quant.row_bytes(d) {
+        candle_core::bail!("attention: rows of {} bytes are not {} rows of head size {d}", layout.dims()[2], quant.name())
+    }
+    Ok(QKv { data: kv.data, head_stride: kv.head_stride, token_stride: kv.token_stride, quant, d })
 }
 
 /// From this many new tokens on, the tiled kernel (`cpu::attn`) runs; below, one query row at
@@ -461,7 +568,7 @@ mod tests {
             let queries: Vec<DecodeQuery> = data
                 .iter()
                 .zip(lens)
-                .map(|((q, k, v), s)| DecodeQuery { q, k, v, pos: Positions { query_start: s - 1, key_start: 0 } })
+                .map(|((q, k, v), s)| DecodeQuery { q, k, v, quant: None, pos: Positions { query_start: s - 1, key_start: 0 } })
                 .collect();
             let batch = attend_decode_batch(&queries, &p).unwrap();
             for (i, d) in queries.iter().enumerate() {
@@ -485,7 +592,7 @@ mod tests {
         let start = s - t;
         let pos = Positions { query_start: start, key_start: 0 };
         let q2 = Tensor::randn(0f32, 1.0, (1, 8, 64), &dev).unwrap();
-        let batch = attend_decode_batch(&[DecodeQuery { q: &q, k: &k, v: &v, pos }, DecodeQuery { q: &q2, k: &k, v: &v, pos: Positions { query_start: s - 1, key_start: 0 } }], &p).unwrap();
+        let batch = attend_decode_batch(&[DecodeQuery { q: &q, k: &k, v: &v, quant: None, pos }, DecodeQuery { q: &q2, k: &k, v: &v, quant: None, pos: Positions { query_start: s - 1, key_start: 0 } }], &p).unwrap();
         let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for r in 0..t {
             let keys = start + r + 1;

@@ -9,6 +9,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod device;
 pub mod graph;
+pub mod kv_quant;
 pub mod linear;
 pub mod norm;
 pub mod ops;

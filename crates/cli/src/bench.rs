@@ -46,6 +46,8 @@ pub struct Args {
     /// Split the model over N ranks (see `ferrolm serve --tensor-parallel`).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     tensor_parallel: u32,
+    #[command(flatten)]
+    kv: crate::kv_args::KvArgs,
 }
 
 const TEXT: &str = "The history of the printing press is the history of how ideas learned to travel. \
@@ -56,8 +58,9 @@ than two hundred cities, and millions of volumes were in circulation. ";
 
 pub fn run(args: Args) -> CliResult<()> {
     let load_start = Instant::now();
-    let b = bundle::load_parallel(args.model.as_deref(), &args.device, args.tensor_parallel as usize)
+    let mut b = bundle::load_parallel(args.model.as_deref(), &args.device, args.tensor_parallel as usize)
         .map_err(CliError::usage)?;
+    args.kv.apply(b.model.as_mut())?;
     let load_s = load_start.elapsed().as_secs_f64();
     let prompt = match &args.prompt_ids_file {
         Some(f) => read_ids(f)?,
@@ -97,6 +100,7 @@ pub fn run(args: Args) -> CliResult<()> {
             "prefill_runs": prefill, "decode_runs": decode, "weight_bytes": model.info().weight_bytes,
             "device": format!("{:?}", model.device()), "tensor_parallel": args.tensor_parallel,
             "decode_path": last.path, "decoded_ids": last.ids,
+            "kv": cache.signature(), "kv_bytes_per_token": cache.bytes_per_token(),
         });
         println!("{obj}");
     } else {

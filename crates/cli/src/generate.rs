@@ -54,6 +54,8 @@ pub struct Args {
     /// cpu, cuda, cuda:N or auto.
     #[arg(long, default_value = "auto")]
     device: String,
+    #[command(flatten)]
+    kv: crate::kv_args::KvArgs,
 }
 
 impl Args {
@@ -95,7 +97,8 @@ pub fn run(args: Args) -> CliResult<()> {
     let progress = LoadProgress::new(model_label(args.model.as_deref()), 1, true);
     let loaded = bundle::load_with_progress(args.model.as_deref(), &args.device, 1, progress.callback());
     progress.finish(loaded.is_ok());
-    let bundle = loaded.map_err(CliError::usage)?;
+    let mut bundle = loaded.map_err(CliError::usage)?;
+    args.kv.apply(bundle.model.as_mut())?;
     let messages = (!args.raw).then(|| args.messages(&text));
     let prompt = bundle
         .prompt_ids(messages.as_ref(), &text)

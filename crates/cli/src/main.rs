@@ -5,6 +5,8 @@ mod bench;
 mod bench_batch;
 mod dump_logits;
 mod generate;
+mod kv_args;
+mod perplexity;
 mod progress;
 mod serve;
 
@@ -34,6 +36,8 @@ enum Command {
     /// Write teacher-forced logits (correctness checks against other implementations).
     #[command(hide = true)]
     DumpLogits(dump_logits::Args),
+    /// Perplexity of a text and the KL divergence of quantized KV caches (as llama-perplexity).
+    Perplexity(perplexity::Args),
     /// Check ferrolm's CUDA kernels against candle's compositions on a GPU (builds with `cuda`).
     #[command(hide = true)]
     GpuCheck {
@@ -54,6 +58,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench::run(args),
         Command::DumpLogits(args) => dump_logits::run(args),
+        Command::Perplexity(args) => perplexity::run(args),
         Command::GpuCheck { device } => gpu_check(&device),
     };
     match result {

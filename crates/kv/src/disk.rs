@@ -262,6 +262,7 @@ fn raw_bytes(t: &Tensor) -> candle_core::Result<Vec<u8>> {
         DType::F16 => t.to_vec1::<half::f16>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
         DType::BF16 => t.to_vec1::<half::bf16>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
         DType::F32 => t.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        DType::U8 => t.to_vec1::<u8>()?,
         other => candle_core::bail!("prompt cache: no disk format for {other:?}"),
     })
 }
@@ -301,6 +302,7 @@ fn read_entry(path: &Path, identity: &str, mut empty: SeqCache) -> Result<(Vec<T
             "f16" => DType::F16,
             "bf16" => DType::BF16,
             "f32" => DType::F32,
+            "u8" => DType::U8,
             other => return Err(format!("unknown dtype {other}").into()),
         };
         let n = l.shape.iter().product::<usize>() * dtype.size_in_bytes();
@@ -310,7 +312,8 @@ fn read_entry(path: &Path, identity: &str, mut empty: SeqCache) -> Result<(Vec<T
             Tensor::from_raw_buffer(bytes, dtype, &l.shape, &Device::Cpu)?.to_device(&device)
         };
         let (k, v) = (tensor()?, tensor()?);
-        empty.layer(i).load_state(&KvView { k, v, key_start: l.key_start }, l.offset)?;
+        // A quantized layer's rows come back as U8; the signature check above matched its format.
+        empty.layer(i).load_state(&KvView { k, v, key_start: l.key_start, quant: None }, l.offset)?;
     }
     if empty.offset() != h.tokens.len() {
         return Err("the entry's tokens and cache disagree".into());

@@ -4,12 +4,15 @@
 mod disk;
 mod plain;
 mod prefix;
+mod quant;
 mod rotating;
 mod seq;
 
 pub use disk::DiskTier;
 pub use plain::PlainCache;
 pub use prefix::{Hit, PromptCache, PromptCacheStats};
+pub use quant::{KvScheme, QuantCache};
+pub use ferrolm_backend::kv_quant::KvQuant;
 pub use rotating::RotatingCache;
 pub use seq::SeqCache;
 
@@ -21,6 +24,9 @@ pub struct KvView {
     pub v: Tensor,
     /// Absolute position of the first key in the view.
     pub key_start: usize,
+    /// `Some`: k and v are quantized rows (U8 `[kv_heads, tokens, row_bytes]`) of this format;
+    /// attention reads them with `attend_quant` / `attend_prompt_quant`.
+    pub quant: Option<KvQuant>,
 }
 
 /// One layer's cache for one sequence.

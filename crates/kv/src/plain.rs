@@ -57,6 +57,7 @@ impl PlainCache {
                 k: k.narrow(1, 0, self.offset)?,
                 v: v.narrow(1, 0, self.offset)?,
                 key_start: 0,
+                quant: None,
             })),
             _ => Ok(None),
         }
@@ -120,7 +121,7 @@ impl KvCache for PlainCache {
     fn state_prefix(&self, n: usize) -> Result<Option<KvView>> {
         match (&self.k, &self.v) {
             (Some(k), Some(v)) if n <= self.offset => {
-                Ok(Some(KvView { k: k.narrow(1, 0, n)?, v: v.narrow(1, 0, n)?, key_start: 0 }))
+                Ok(Some(KvView { k: k.narrow(1, 0, n)?, v: v.narrow(1, 0, n)?, key_start: 0, quant: None }))
             }
             _ => Ok(None),
         }

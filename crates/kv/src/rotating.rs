@@ -134,6 +134,7 @@ impl RotatingCache {
                 k: k.narrow(1, 0, self.len)?,
                 v: v.narrow(1, 0, self.len)?,
                 key_start: self.key_start(),
+                quant: None,
             })),
             _ => Ok(None),
         }
@@ -207,6 +208,7 @@ impl KvCache for RotatingCache {
                 k: k.narrow(1, 0, n - start)?,
                 v: v.narrow(1, 0, n - start)?,
                 key_start: start,
+                quant: None,
             })),
             _ => Ok(None),
         }

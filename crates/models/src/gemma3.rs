@@ -14,7 +14,7 @@ use crate::{CausalLm, ModelInfo, SeqInput};
 use candle_core::{DType, Device, Result, Tensor};
 use ferrolm_backend::norm::RmsNorm;
 use ferrolm_backend::{AttentionParams, Linear, Rope, RopeStyle};
-use ferrolm_kv::{KvCache, PlainCache, RotatingCache, SeqCache};
+use ferrolm_kv::{KvCache, KvScheme, RotatingCache, SeqCache};
 use std::sync::Arc;
 
 /// Hyper-parameters, named as in Hugging Face `Gemma3TextConfig`.
@@ -172,6 +172,9 @@ pub struct Gemma3 {
     norm: RmsNorm,
     lm_head: Linear,
     device: Device,
+    /// How the global (full-attention) layers cache keys and values (`--kv-bits`); the local
+    /// sliding-window layers stay float.
+    kv: KvScheme,
 }
 
 impl Gemma3 {
@@ -227,6 +230,7 @@ impl Gemma3 {
             layers,
             device: device.clone(),
             cfg,
+            kv: KvScheme::default(),
         })
     }
 }
@@ -301,11 +305,17 @@ impl CausalLm for Gemma3 {
                 if local {
                     Box::new(RotatingCache::new(heads, dim, c.sliding_window, ferrolm_backend::kv_dtype(dev), dev))
                 } else {
-                    Box::new(PlainCache::new(heads, dim, ferrolm_backend::kv_dtype(dev), dev))
+                    self.kv.full_layer(heads, dim, ferrolm_backend::kv_dtype(dev), dev)
                 }
             })
             .collect();
         SeqCache::new(layers)
+    }
+
+    fn set_kv_scheme(&mut self, scheme: KvScheme) -> std::result::Result<(), String> {
+        scheme.check(self.cfg.head_dim, &self.device)?;
+        self.kv = scheme;
+        Ok(())
     }
 
     fn forward_hidden(&self, batch: &mut [SeqInput<'_>]) -> Result<Tensor> {

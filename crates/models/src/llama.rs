@@ -8,7 +8,7 @@ use crate::{CausalLm, ModelInfo, SeqInput};
 use candle_core::{DType, Device, Result, Tensor};
 use ferrolm_backend::norm::RmsNorm;
 use ferrolm_backend::{AttentionParams, Linear, Rope, RopeStyle, RowInput};
-use ferrolm_kv::{KvCache, PlainCache, RotatingCache, SeqCache};
+use ferrolm_kv::{KvCache, KvScheme, RotatingCache, SeqCache};
 use std::sync::Arc;
 
 /// Hyper-parameters, named as in Hugging Face `config.json`.
@@ -171,6 +171,8 @@ pub struct Llama {
     norm: RmsNorm,
     lm_head: Linear,
     device: Device,
+    /// How full-attention layers cache keys and values (`--kv-bits`).
+    kv: KvScheme,
 }
 
 impl Llama {
@@ -214,6 +216,7 @@ impl Llama {
             layers,
             device: device.clone(),
             cfg,
+            kv: KvScheme::default(),
         })
     }
 
@@ -361,15 +364,16 @@ impl CausalLm for Llama {
                     ferrolm_backend::kv_dtype(&self.device),
                     &self.device,
                 )) as Box<dyn KvCache>,
-                None => Box::new(PlainCache::new(
-                    c.num_key_value_heads,
-                    c.head_dim,
-                    ferrolm_backend::kv_dtype(&self.device),
-                    &self.device,
-                )) as Box<dyn KvCache>,
+                None => self.kv.full_layer(c.num_key_value_heads, c.head_dim, ferrolm_backend::kv_dtype(&self.device), &self.device),
             })
             .collect();
         SeqCache::new(layers)
+    }
+
+    fn set_kv_scheme(&mut self, scheme: KvScheme) -> std::result::Result<(), String> {
+        scheme.check(self.cfg.head_dim, &self.device)?;
+        self.kv = scheme;
+        Ok(())
     }
 
     fn forward_hidden(&self, batch: &mut [SeqInput<'_>]) -> Result<Tensor> {

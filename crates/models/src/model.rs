@@ -1,5 +1,5 @@
 use candle_core::{Device, Tensor};
-use ferrolm_kv::SeqCache;
+use ferrolm_kv::{KvScheme, SeqCache};
 
 /// Facts about a loaded model that the engine and server need.
 #[derive(Clone, Debug)]
@@ -53,6 +53,15 @@ pub trait CausalLm: Send + Sync {
     fn device(&self) -> &Device;
     /// Fresh, empty caches for one sequence.
     fn make_cache(&self) -> SeqCache;
+    /// Caches the full-attention layers' keys and values as `scheme` says (`--kv-bits`): called
+    /// once after loading, before caches are made. A model without quantized caches, or whose
+    /// head size or device does not take them, refuses any but `Float` with the reason.
+    fn set_kv_scheme(&mut self, scheme: KvScheme) -> Result<(), String> {
+        match scheme {
+            KvScheme::Float => Ok(()),
+            KvScheme::Quant(_) => Err(format!("quantized KV is not implemented for {}", self.info().architecture)),
+        }
+    }
     /// Runs the new tokens of every sequence through the model, writing their keys and values
     /// into the caches, and returns the final hidden state (final norm applied) of every decode
     /// row, in order, `[decode rows, hidden]` (`[0, hidden]` when there are none): the whole

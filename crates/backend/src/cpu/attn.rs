@@ -11,6 +11,7 @@
 use super::math;
 use super::micro::{self, MicroKernel};
 use super::simd::{multiversion_plain, Level, MulAdd};
+use super::kv_rows::WidenRows;
 use super::threads::{parallel_ranges, SharedOut};
 use std::cell::RefCell;
 
@@ -67,7 +68,7 @@ pub struct Call<'a> {
 }
 
 /// Runs `c` over keys `k` and values `v` into `out` (`t·hq·d` values).
-pub fn attend<E: Widen>(level: Level, c: &Call, k: Kv<E>, v: Kv<E>, out: &mut [f32]) {
+pub fn attend<R: WidenRows>(level: Level, c: &Call, k: R, v: R, out: &mut [f32]) {
     assert_eq!(out.len(), c.t * c.hq * c.d);
     let packed = |nr| pack(c, k, v, nr);
     match level {
@@ -88,28 +89,29 @@ struct Packed {
     chunks: usize,
 }
 
-/// Packs for a micro-kernel of `nr` columns, widening f16 rows on the way.
-fn pack<E: Widen>(c: &Call, k: Kv<E>, v: Kv<E>, nr: usize) -> Packed {
+/// Packs for a micro-kernel of `nr` columns, widening f16 (or dequantizing quantized) rows on
+/// the way.
+fn pack<R: WidenRows>(c: &Call, k: R, v: R, nr: usize) -> Packed {
     let (d, s) = (c.d, c.s);
     let panels = s.div_ceil(nr);
     let chunks = d.div_ceil(nr);
     let s_pad = panels * nr;
     let mut kt = vec![0f32; c.hkv * panels * d * nr];
     let mut vp = vec![0f32; c.hkv * chunks * s_pad * nr];
+    let (mut krow, mut vrow) = (vec![0f32; d], vec![0f32; d]);
     for h in 0..c.hkv {
         for j in 0..s {
             let (p, jj) = (j / nr, j % nr);
             let base = (h * panels + p) * d * nr + jj;
-            for (dd, x) in k.row(h, j, d).iter().enumerate() {
-                kt[base + dd * nr] = x.widen();
+            k.widen_row(h, j, &mut krow);
+            for (dd, x) in krow.iter().enumerate() {
+                kt[base + dd * nr] = *x;
             }
-            let vrow = v.row(h, j, d);
+            v.widen_row(h, j, &mut vrow);
             for ch in 0..chunks {
                 let cols = (d - ch * nr).min(nr);
                 let at = ((h * chunks + ch) * s_pad + j) * nr;
-                for (o, x) in vp[at..at + cols].iter_mut().zip(&vrow[ch * nr..ch * nr + cols]) {
-                    *o = x.widen();
-                }
+                vp[at..at + cols].copy_from_slice(&vrow[ch * nr..ch * nr + cols]);
             }
         }
     }

@@ -9,11 +9,13 @@
 //! Per value the arithmetic is the per-row kernel's in a different order: q·k as 16-lane FMA
 //! chains over d then summed, scaled (and soft-capped), `math::exp`, the weighted values as one
 //! FMA chain over the item's keys, combined over items with the usual rescaling. Cached rows
-//! are f32 or f16 (the CPU cache's default, converted exactly to f32 on load).
+//! are f32 or f16 (the CPU cache's default, converted exactly to f32 on load), or quantized
+//! (`kv_quant`), dequantized 16 values at a time in registers.
 
 #![cfg(target_arch = "x86_64")]
 
 use super::attn::Kv;
+use super::kv_rows::QKv;
 use super::math;
 use super::threads::{num_threads, parallel_ranges};
 use std::arch::x86_64::*;
@@ -49,11 +51,64 @@ impl Elem for half::f16 {
     }
 }
 
+/// Cached rows read 16 values at a time into registers: float rows (`Kv`) or quantized rows
+/// (`QKv`, dequantized in registers: codes widened, times the group's scale, plus its bias).
+pub trait Rows: Copy + Sync {
+    /// Where one (head, token) row starts.
+    type Row: Copy;
+    fn row_at(&self, head: usize, token: usize, d: usize) -> Self::Row;
+    /// Values `col..col+16` of `row` as f32 (`col` a multiple of 16).
+    ///
+    /// # Safety
+    /// AVX-512F (and F16C) available; `row` from `row_at` of a row that exists, `col + 16 ≤ d`.
+    unsafe fn load16(&self, row: Self::Row, col: usize) -> __m512;
+}
+
+impl<E: Elem> Rows for Kv<'_, E> {
+    type Row = *const E;
+    #[inline(always)]
+    fn row_at(&self, head: usize, token: usize, d: usize) -> *const E {
+        self.row(head, token, d).as_ptr()
+    }
+    #[inline(always)]
+    unsafe fn load16(&self, row: *const E, col: usize) -> __m512 {
+        E::load16(row.add(col))
+    }
+}
+
+impl Rows for QKv<'_> {
+    type Row = *const u8;
+    #[inline(always)]
+    fn row_at(&self, head: usize, token: usize, _d: usize) -> *const u8 {
+        self.row(head, token).as_ptr()
+    }
+    #[inline(always)]
+    unsafe fn load16(&self, row: *const u8, col: usize) -> __m512 {
+        let q = self.quant;
+        let codes = if q.bits == 8 {
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(row.add(col) as *const __m128i))
+        } else {
+            // 4 bits: the 32-value block's 16 bytes; low nibbles are its first 16 values.
+            let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(row.add(col / 32 * 16) as *const __m128i));
+            if col % 32 == 0 {
+                _mm512_and_si512(bytes, _mm512_set1_epi32(0xf))
+            } else {
+                _mm512_srli_epi32::<4>(bytes)
+            }
+        };
+        // Scale and bias (two f16) of the group holding `col`, widened together.
+        let at = q.code_bytes(self.d) + col / q.group * 4;
+        let sb = _mm_cvtph_ps(_mm_cvtsi32_si128((row.add(at) as *const i32).read_unaligned()));
+        let (scale, bias) = (_mm512_broadcastss_ps(sb), _mm512_broadcastss_ps(_mm_movehdup_ps(sb)));
+        _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(codes), scale), bias)
+    }
+}
+
 /// One decode step's attention: q `[hq, d]`, keys `[lo, hi)` of k and v `[hkv, s, d]`.
-pub struct DecodeCall<'a, E> {
+pub struct DecodeCall<'a, R> {
     pub q: &'a [f32],
-    pub k: Kv<'a, E>,
-    pub v: Kv<'a, E>,
+    pub k: R,
+    pub v: R,
     pub hq: usize,
     pub hkv: usize,
     pub d: usize,
@@ -81,14 +136,14 @@ thread_local! {
 }
 
 /// Writes the attention output `[hq·d]` of `c` into `out`. Callers check [`supports`] first.
-pub fn attend<E: Elem>(c: &DecodeCall<E>, out: &mut [f32]) {
+pub fn attend<R: Rows>(c: &DecodeCall<R>, out: &mut [f32]) {
     attend_many(&[c], &mut [out])
 }
 
 /// The attention of several sequences' decode tokens (a batch), `outs[i]` for `calls[i]`, with
 /// the items of all of them in one parallel pass. Each call is cut into the same items as
 /// alone and merged alike, so its output is the bits [`attend`] gives it.
-pub fn attend_many<E: Elem>(calls: &[&DecodeCall<E>], outs: &mut [&mut [f32]]) {
+pub fn attend_many<R: Rows>(calls: &[&DecodeCall<R>], outs: &mut [&mut [f32]]) {
     assert_eq!(calls.len(), outs.len());
     let splits: Vec<Split> = calls.iter().map(|c| split(c)).collect();
     // Per call: its first item and the offset of its partial results.
@@ -118,7 +173,7 @@ struct Split {
     per_part: usize,
 }
 
-fn split<E>(c: &DecodeCall<E>) -> Split {
+fn split<R>(c: &DecodeCall<R>) -> Split {
     let keys = c.hi.saturating_sub(c.lo);
     let wanted = (2 * num_threads()).div_ceil(c.hkv);
     let parts = wanted.min(keys / MIN_KEYS_PER_ITEM).max(1);
@@ -126,7 +181,7 @@ fn split<E>(c: &DecodeCall<E>) -> Split {
 }
 
 /// Every (call, kv head, key range) item into `partials`, over the threads.
-fn run_items<E: Elem>(calls: &[&DecodeCall<E>], splits: &[Split], first_item: &[usize], first_partial: &[usize], partials: &mut [f32]) {
+fn run_items<R: Rows>(calls: &[&DecodeCall<R>], splits: &[Split], first_item: &[usize], first_partial: &[usize], partials: &mut [f32]) {
     let total: usize = calls.iter().zip(splits).map(|(c, s)| c.hkv * s.parts).sum();
     let work: usize = calls.iter().map(|c| c.hi.saturating_sub(c.lo) * c.hq * c.d).sum();
     let scratch = calls.iter().zip(splits).map(|(c, s)| c.hq / c.hkv * s.per_part).max().unwrap_or(0);
@@ -160,7 +215,7 @@ fn run_items<E: Elem>(calls: &[&DecodeCall<E>], splits: &[Split], first_item: &[
 }
 
 /// Combines the parts of every query head into `out`.
-fn merge<E>(c: &DecodeCall<E>, parts: usize, partials: &[f32], out: &mut [f32]) {
+fn merge<R>(c: &DecodeCall<R>, parts: usize, partials: &[f32], out: &mut [f32]) {
     let (d, group, stride) = (c.d, c.hq / c.hkv, partial_len(c.d));
     for qh in 0..c.hq {
         let (h, g) = (qh / group, qh % group);
@@ -191,7 +246,7 @@ fn merge<E>(c: &DecodeCall<E>, parts: usize, partials: &[f32], out: &mut [f32]) 
 /// # Safety
 /// AVX-512F is available; keys `[lo, hi)` of head `h` exist in `c.k` and `c.v`.
 #[target_feature(enable = "avx512f,fma,f16c")]
-unsafe fn item_avx512<E: Elem>(c: &DecodeCall<E>, h: usize, lo: usize, hi: usize, scores: &mut [f32], dst: &mut [f32]) {
+unsafe fn item_avx512<R: Rows>(c: &DecodeCall<R>, h: usize, lo: usize, hi: usize, scores: &mut [f32], dst: &mut [f32]) {
     let (d, group, n) = (c.d, c.hq / c.hkv, hi - lo);
     let stride = partial_len(d);
     let q = &c.q[h * group * d..(h + 1) * group * d];
@@ -201,10 +256,10 @@ unsafe fn item_avx512<E: Elem>(c: &DecodeCall<E>, h: usize, lo: usize, hi: usize
         let row = &mut scores[g * n..(g + 1) * n];
         let mut max = f32::NEG_INFINITY;
         for (j, s) in row.iter_mut().enumerate() {
-            let kr = c.k.row(h, lo + j, d).as_ptr();
+            let kr = c.k.row_at(h, lo + j, d);
             let mut acc = _mm512_setzero_ps();
             for i in (0..d).step_by(16) {
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg.add(i)), E::load16(kr.add(i)), acc);
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg.add(i)), c.k.load16(kr, i), acc);
             }
             let mut x = _mm512_reduce_add_ps(acc) * c.scale;
             if let Some(cap) = c.softcap {
@@ -224,10 +279,10 @@ unsafe fn item_avx512<E: Elem>(c: &DecodeCall<E>, h: usize, lo: usize, hi: usize
     for g0 in (0..group).step_by(HEADS_PER_PASS) {
         for col in (0..d).step_by(COLS) {
             match (group - g0).min(HEADS_PER_PASS) {
-                1 => values::<E, 1>(c, h, lo, n, g0, col, scores, dst),
-                2 => values::<E, 2>(c, h, lo, n, g0, col, scores, dst),
-                3 => values::<E, 3>(c, h, lo, n, g0, col, scores, dst),
-                _ => values::<E, 4>(c, h, lo, n, g0, col, scores, dst),
+                1 => values::<R, 1>(c, h, lo, n, g0, col, scores, dst),
+                2 => values::<R, 2>(c, h, lo, n, g0, col, scores, dst),
+                3 => values::<R, 3>(c, h, lo, n, g0, col, scores, dst),
+                _ => values::<R, 4>(c, h, lo, n, g0, col, scores, dst),
             }
         }
     }
@@ -254,12 +309,12 @@ fn sum_lanes(x: &[f32]) -> f32 {
 #[inline]
 #[target_feature(enable = "avx512f,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn values<E: Elem, const G: usize>(c: &DecodeCall<E>, h: usize, lo: usize, n: usize, g0: usize, col: usize, p: &[f32], dst: &mut [f32]) {
+unsafe fn values<R: Rows, const G: usize>(c: &DecodeCall<R>, h: usize, lo: usize, n: usize, g0: usize, col: usize, p: &[f32], dst: &mut [f32]) {
     let d = c.d;
     let mut acc = [[_mm512_setzero_ps(); 4]; G];
     for j in 0..n {
-        let vr = c.v.row(h, lo + j, d).as_ptr().add(col);
-        let v = [E::load16(vr), E::load16(vr.add(16)), E::load16(vr.add(32)), E::load16(vr.add(48))];
+        let vr = c.v.row_at(h, lo + j, d);
+        let v = [c.v.load16(vr, col), c.v.load16(vr, col + 16), c.v.load16(vr, col + 32), c.v.load16(vr, col + 48)];
         for (g, a) in acc.iter_mut().enumerate() {
             let w = _mm512_set1_ps(*p.get_unchecked((g0 + g) * n + j));
             for (ai, vi) in a.iter_mut().zip(v) {

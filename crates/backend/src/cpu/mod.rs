@@ -16,6 +16,7 @@ mod decode_batch;
 #[cfg(target_arch = "x86_64")]
 pub mod decode_attn;
 pub mod formats;
+pub mod kv_rows;
 pub mod math;
 pub mod matmul;
 mod micro;

@@ -1,7 +1,7 @@
 use super::{BatchRows, FusedLinear};
 use crate::RowKind;
 use candle_core::{Result, Tensor};
-use ferrolm_backend::attention::{attend_decode_batch, attend_prompt, DecodeQuery, Positions};
+use ferrolm_backend::attention::{attend_decode_batch, attend_prompt_quant, DecodeQuery, Positions};
 use ferrolm_backend::attention_device::{append_and_attend, StaticStep};
 use ferrolm_backend::norm::RmsNorm;
 use ferrolm_backend::{AttentionParams, Linear, Rope, RowInput};
@@ -54,11 +54,11 @@ impl SelfAttention {
         let decode = rows.spans.iter().take_while(|s| s.kind == RowKind::Decode).count();
         let mut outs = Vec::with_capacity(1 + rows.spans.len() - decode);
         if decode > 0 {
-            let queries: Vec<DecodeQuery> = seqs[..decode].iter().map(|(q, kv, pos)| DecodeQuery { q, k: &kv.k, v: &kv.v, pos: *pos }).collect();
+            let queries: Vec<DecodeQuery> = seqs[..decode].iter().map(|(q, kv, pos)| DecodeQuery { q, k: &kv.k, v: &kv.v, quant: kv.quant, pos: *pos }).collect();
             outs.push(attend_decode_batch(&queries, &self.cfg.params)?);
         }
         for (q, kv, pos) in &seqs[decode..] {
-            outs.push(attend_prompt(q, &kv.k, &kv.v, *pos, &self.cfg.params)?);
+            outs.push(attend_prompt_quant(q, &kv.k, &kv.v, kv.quant, *pos, &self.cfg.params)?);
         }
         let attn = if outs.len() == 1 {
             outs.pop().unwrap()

@@ -1,0 +1,68 @@
+//! `--kv-bits` / `--kv-group-size`: how the model's full-attention layers cache keys and values
+//! (see docs/kv_quant.md). Applied once, right after the model loads.
+
+use crate::{CliError, CliResult};
+use ferrolm_kv::{KvQuant, KvScheme};
+use ferrolm_models::CausalLm;
+
+/// Values per quantization group by default (docs/kv_quant.md: chosen by KL on SmolLM2-135M and
+/// Qwen2.5-Coder-0.5B).
+pub const DEFAULT_GROUP: usize = 32;
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct KvArgs {
+    /// Quantize the KV cache of full-attention layers to 8 or 4 bits (affine groups along
+    /// head_dim, CPU only); 16 or unset: f16. Sliding-window layers stay f16.
+    #[arg(long, value_parser = ["4", "8", "16"])]
+    kv_bits: Option<String>,
+    /// Values per quantization group along head_dim: 32, 64 or 128.
+    #[arg(long, default_value_t = DEFAULT_GROUP)]
+    kv_group_size: usize,
+}
+
+impl KvArgs {
+    pub fn scheme(&self) -> CliResult<KvScheme> {
+        let bits = self.kv_bits.as_deref().map(|b| b.parse::<u8>().map_err(|e| CliError::usage(format!("--kv-bits: {e}")))).transpose()?;
+        KvScheme::from_flags(bits, self.kv_group_size).map_err(CliError::usage)
+    }
+
+    /// Sets the scheme on `model`; a model or device that cannot take it is a usage error.
+    pub fn apply(&self, model: &mut dyn CausalLm) -> CliResult<()> {
+        model.set_kv_scheme(self.scheme()?).map_err(CliError::usage)
+    }
+}
+
+/// `f16` (or `f32`) or `q<bits>g<group>` (`q8g32`, `q4g64`).
+pub fn parse_scheme(s: &str) -> Result<KvScheme, String> {
+    if s == "f16" || s == "f32" {
+        return Ok(KvScheme::Float);
+    }
+    let bad = || format!("KV scheme `{s}`: expected f16 or q<bits>g<group> (q8g32, q4g64)");
+    let rest = s.strip_prefix('q').ok_or_else(bad)?;
+    let (bits, group) = rest.split_once('g').ok_or_else(bad)?;
+    let (bits, group) = (bits.parse::<u8>().map_err(|_| bad())?, group.parse::<usize>().map_err(|_| bad())?);
+    KvQuant::new(bits, group).map(KvScheme::Quant)
+}
+
+/// The name [`parse_scheme`] reads.
+pub fn scheme_name(s: &KvScheme) -> String {
+    match s {
+        KvScheme::Float => "f16".into(),
+        KvScheme::Quant(q) => q.name(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scheme_names_round_trip() {
+        for name in ["f16", "q8g32", "q8g64", "q4g32", "q4g128"] {
+            assert_eq!(scheme_name(&parse_scheme(name).unwrap()), name);
+        }
+        for bad in ["q8", "q3g32", "q8g48", "int8", "q8gx"] {
+            assert!(parse_scheme(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,185 @@
+//! Quantized KV caches (`--kv-bits 8|4`, `--kv-group-size`): keys and values quantized as they
+//! are written (affine groups along head_dim, `ferrolm_backend::kv_quant`), held as U8 rows in
+//! a growing contiguous buffer; attention reads the rows directly.
+
+use crate::{KvCache, KvView, PlainCache};
+use candle_core::{DType, Device, Result, Tensor};
+use ferrolm_backend::kv_quant::{self, KvQuant};
+
+/// How a model's full-attention layers cache keys and values. Sliding-window layers (Gemma 3's
+/// local layers, Mistral-style windows) stay float: their caches are small and bounded.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvScheme {
+    /// The device's KV dtype (f16 on the CPU).
+    #[default]
+    Float,
+    Quant(KvQuant),
+}
+
+impl KvScheme {
+    /// From `--kv-bits` (none: float; 16 or 32 also float) and `--kv-group-size`.
+    pub fn from_flags(bits: Option<u8>, group: usize) -> std::result::Result<Self, String> {
+        match bits {
+            None | Some(16) | Some(32) => Ok(Self::Float),
+            Some(b) => KvQuant::new(b, group).map(Self::Quant),
+        }
+    }
+
+    /// Whether layers of head size `head_dim` on `device` can be cached this way.
+    pub fn check(&self, head_dim: usize, device: &Device) -> std::result::Result<(), String> {
+        match self {
+            Self::Float => Ok(()),
+            Self::Quant(_) if !device.is_cpu() => Err("quantized KV (--kv-bits) runs on the CPU only for now".into()),
+            Self::Quant(q) => q.check_head_dim(head_dim),
+        }
+    }
+
+    /// A fresh cache for one full-attention layer.
+    pub fn full_layer(&self, kv_heads: usize, head_dim: usize, dtype: DType, device: &Device) -> Box<dyn KvCache> {
+        match self {
+            Self::Float => Box::new(PlainCache::new(kv_heads, head_dim, dtype, device)),
+            Self::Quant(q) => Box::new(QuantCache::new(kv_heads, head_dim, *q, device)),
+        }
+    }
+}
+
+/// A growing cache of quantized rows: a [`PlainCache`] of U8 rows `[kv_heads, tokens,
+/// row_bytes]` (the same slab growth, trimming and snapshots), quantizing what is written.
+pub struct QuantCache {
+    rows: PlainCache,
+    quant: KvQuant,
+    head_dim: usize,
+}
+
+impl QuantCache {
+    /// Panics if `head_dim` is not whole groups (`KvScheme::check` first).
+    pub fn new(kv_heads: usize, head_dim: usize, quant: KvQuant, device: &Device) -> Self {
+        quant.check_head_dim(head_dim).expect("KvScheme::check before building caches");
+        Self { rows: PlainCache::new(kv_heads, quant.row_bytes(head_dim), DType::U8, device), quant, head_dim }
+    }
+
+    fn tagged(&self, view: Option<KvView>) -> Option<KvView> {
+        view.map(|v| KvView { quant: Some(self.quant), ..v })
+    }
+
+    /// Whether `state` holds rows of this cache's format (a state read from disk carries no
+    /// format; the entry's signature named it).
+    fn check_state(&self, state: &KvView) -> Result<()> {
+        let rows_fit = state.k.dtype() == DType::U8 && state.k.dims().get(2) == Some(&self.quant.row_bytes(self.head_dim));
+        if !rows_fit || state.quant.is_some_and(|q| q != self.quant) {
+            candle_core::bail!("{}: a state of other rows ({:?}, {:?})", self.signature(), state.k.dtype(), state.quant)
+        }
+        Ok(())
+    }
+}
+
+impl KvCache for QuantCache {
+    fn update_and_fetch(&mut self, k: &Tensor, v: &Tensor) -> Result<KvView> {
+        let (rk, rv) = (kv_quant::quantize(self.quant, k)?, kv_quant::quantize(self.quant, v)?);
+        let view = self.rows.update_and_fetch(&rk, &rv)?;
+        Ok(KvView { quant: Some(self.quant), ..view })
+    }
+
+    fn offset(&self) -> usize {
+        self.rows.offset()
+    }
+
+    fn is_trimmable(&self) -> bool {
+        true
+    }
+
+    fn trim(&mut self, n: usize) -> usize {
+        self.rows.trim(n)
+    }
+
+    fn signature(&self) -> String {
+        format!("kv:{}", self.quant.name())
+    }
+
+    fn bytes_per_token(&self) -> usize {
+        self.rows.bytes_per_token()
+    }
+
+    fn bytes_held(&self) -> usize {
+        self.rows.bytes_held()
+    }
+
+    fn device(&self) -> &Device {
+        self.rows.device()
+    }
+
+    fn state(&self) -> Result<Option<KvView>> {
+        Ok(self.tagged(self.rows.state()?))
+    }
+
+    fn load_state(&mut self, state: &KvView, offset: usize) -> Result<()> {
+        self.check_state(state)?;
+        self.rows.load_state(state, offset)
+    }
+
+    fn state_prefix(&self, n: usize) -> Result<Option<KvView>> {
+        Ok(self.tagged(self.rows.state_prefix(n)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::SeqCache;
+
+    fn bits(t: &Tensor) -> Vec<u8> {
+        t.flatten_all().unwrap().to_vec1::<u8>().unwrap()
+    }
+
+    /// Rows written across appends are the rows of quantizing everything at once; trimming
+    /// rewinds; bytes are the quantized rows'; a fork holds the same bits.
+    #[test]
+    fn appends_trim_bytes_and_forks() -> Result<()> {
+        let dev = Device::Cpu;
+        let q = KvQuant::new(4, 32).unwrap();
+        let mut c = QuantCache::new(2, 64, q, &dev);
+        let a = Tensor::randn(0f32, 1.0, (2, 300, 64), &dev)?;
+        let b = Tensor::randn(0f32, 1.0, (2, 1, 64), &dev)?;
+        c.update_and_fetch(&a, &a)?;
+        let view = c.update_and_fetch(&b, &b)?;
+        assert_eq!(view.quant, Some(q));
+        assert_eq!(view.k.dims(), &[2, 301, 40]);
+        let whole = kv_quant::quantize(q, &Tensor::cat(&[&a, &b], 1)?)?;
+        assert_eq!(bits(&view.k), bits(&whole));
+        assert_eq!(c.bytes_per_token(), 2 * 2 * 40);
+        assert_eq!(c.signature(), "kv:q4g32");
+        assert_eq!(c.trim(1), 1);
+        assert_eq!(c.offset(), 300);
+        let mut seq = SeqCache::new(vec![Box::new(c)]);
+        let fork = seq.fork_into(SeqCache::new(vec![Box::new(QuantCache::new(2, 64, q, &dev))]))?;
+        let (va, vb) = (seq.layer(0).state()?.unwrap(), fork.layer_ref(0).state()?.unwrap());
+        assert_eq!(bits(&va.k), bits(&vb.k));
+        assert_eq!(fork.offset(), 300);
+        Ok(())
+    }
+
+    /// A state of another format is refused, not misread.
+    #[test]
+    fn other_formats_are_refused() -> Result<()> {
+        let dev = Device::Cpu;
+        let mut c8 = QuantCache::new(1, 64, KvQuant::new(8, 32).unwrap(), &dev);
+        let x = Tensor::randn(0f32, 1.0, (1, 3, 64), &dev)?;
+        c8.update_and_fetch(&x, &x)?;
+        let state = c8.state()?.unwrap();
+        let mut c4 = QuantCache::new(1, 64, KvQuant::new(4, 32).unwrap(), &dev);
+        assert!(c4.load_state(&state, 3).is_err());
+        let mut plain = PlainCache::new(1, 64, DType::F32, &dev);
+        plain.update_and_fetch(&x, &x)?;
+        assert!(c8.load_state(&plain.state()?.unwrap(), 3).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn schemes_from_flags() {
+        assert_eq!(KvScheme::from_flags(None, 32), Ok(KvScheme::Float));
+        assert_eq!(KvScheme::from_flags(Some(16), 32), Ok(KvScheme::Float));
+        assert!(KvScheme::from_flags(Some(5), 32).is_err());
+        assert!(KvScheme::from_flags(Some(8), 32).unwrap().check(96, &Device::Cpu).is_ok());
+        assert!(KvScheme::from_flags(Some(8), 64).unwrap().check(96, &Device::Cpu).is_err());
+    }
+}

@@ -116,3 +116,16 @@ fn syntax_errors_are_reported_at_compile_time() {
         "{err}"
     );
 }
+
+/// Qwen3's template with thinking on, off (the empty `<think>` block the server's
+/// `chat_template_kwargs.enable_thinking: false` asks for) and unset, and with reasoning in the
+/// history, tools and tool calls.
+#[test]
+fn qwen3_template_thinking_on_and_off_matches_transformers() {
+    let fx = read_fixture("templates/qwen3.json");
+    let template = ChatTemplate::new(fx["template"].as_str().unwrap(), fx["bos_token"].as_str(), fx["eos_token"].as_str()).unwrap();
+    let n = check_cases("qwen3", &template, &fx);
+    assert!(n >= 8, "only {n} qwen3 cases");
+    let off = fx["cases"].as_array().unwrap().iter().find(|c| c["name"] == "thinking_off").unwrap();
+    assert!(off["expected"].as_str().unwrap().ends_with("<think>\n\n</think>\n\n"), "the fixture's thinking_off case");
+}

@@ -13,7 +13,7 @@ mod common;
 mod parity;
 
 use common::{exact_activations, repo_root};
-use ferrolm_models::{CausalLm, ModelSource};
+use ferrolm_models::{CausalLm, ModelSource, SeqInput};
 use parity::{argmax, logits_along, our_greedy};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -120,4 +120,44 @@ fn llama3_rope_scaling_matches_transformers() {
 #[test]
 fn qwen3_moe_matches_transformers() {
     check_family("qwen3moe");
+}
+
+#[test]
+fn qwen2_moe_matches_transformers() {
+    check_family("qwen2moe");
+}
+
+#[test]
+fn mixtral_matches_transformers() {
+    check_family("mixtral");
+}
+
+/// A decode row's hidden state is the same bits in a batch (beside other decode rows and a
+/// prompt chunk, whose tokens share experts with it) as alone: the experts run the decode rows
+/// of their groups on the decode kernels, and each token sums its experts in expert order.
+#[test]
+fn expert_rows_in_a_batch_equal_their_solo_run() {
+    exact_activations();
+    let (r, _) = record("qwen3moe");
+    let model = open(&dir("qwen3moe").join("model-f16.gguf"));
+    let prefilled = |ids: &[u32]| {
+        let mut c = model.make_cache();
+        model.forward_hidden(&mut [SeqInput::prompt(ids, &mut c)]).unwrap();
+        c
+    };
+    let (a, b, c) = (&r.ids[..20], &r.ids[3..30], &r.ids[10..40]);
+    let solo = |ids: &[u32], next: u32| -> Vec<f32> {
+        let mut cache = prefilled(ids);
+        let h = model.forward_hidden(&mut [SeqInput::decode(&[next], &mut cache)]).unwrap();
+        h.flatten_all().unwrap().to_vec1().unwrap()
+    };
+    let (want_a, want_b) = (solo(a, 7), solo(b, 9));
+    let (mut ca, mut cb, mut cc) = (prefilled(a), prefilled(b), model.make_cache());
+    let h = model
+        .forward_hidden(&mut [SeqInput::decode(&[7], &mut ca), SeqInput::decode(&[9], &mut cb), SeqInput::prompt(c, &mut cc)])
+        .unwrap();
+    let rows: Vec<Vec<f32>> = h.to_vec2().unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0], want_a, "first decode row differs from its solo run");
+    assert_eq!(rows[1], want_b, "second decode row differs from its solo run");
 }

@@ -1,4 +1,4 @@
-//! Qwen2 (Qwen2.5, Qwen2.5-Coder): the llama decoder of `llama.rs` with biases on the Q, K and V
+//! Qwen2 (Qwen2.5, Qwen2.5-Coder; Qwen2-MoE with `LlamaConfig::moe`): the llama decoder of `llama.rs` with biases on the Q, K and V
 //! projections, half-split (NEOX) RoPE with base 1e6, and an untied output head when the
 //! checkpoint has one. A thin configuration over the shared decoder, so the two architectures
 //! share every kernel and optimization.

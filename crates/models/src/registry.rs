@@ -33,13 +33,18 @@ const ARCHITECTURES: &[(&str, Loader)] = &[
     // …with mixture-of-experts MLPs (LlamaConfig::moe); GGUF and model_type spellings.
     ("qwen3moe", load_llama),
     ("qwen3_moe", load_llama),
+    // Qwen2 with experts and a gated shared expert (biases required as for qwen2).
+    ("qwen2moe", load_qwen2),
+    ("qwen2_moe", load_qwen2),
+    // GGUF names Mixtral `llama` (with experts).
+    ("mixtral", load_llama),
     ("gemma3", load_gemma3),
     ("gemma3_text", load_gemma3),
     ("bert", load_bert),
 ];
 
 /// Architectures this build can run.
-pub const SUPPORTED: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "qwen3moe", "qwen3_moe", "gemma3", "gemma3_text", "bert"];
+pub const SUPPORTED: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "qwen3moe", "qwen3_moe", "qwen2moe", "qwen2_moe", "mixtral", "gemma3", "gemma3_text", "bert"];
 
 impl ModelSource {
     /// A directory is a Hugging Face folder; anything else is read as GGUF.

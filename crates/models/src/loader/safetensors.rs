@@ -293,6 +293,8 @@ enum Family {
     Llama,
     /// gemma3: sandwich norms, and RMSNorm weights stored as `w - 1`.
     Gemma3,
+    /// mixtral: the llama names, experts under `block_sparse_moe` as w1 (gate), w3 (up), w2 (down).
+    Mixtral,
 }
 
 /// A Hugging Face model folder opened and validated: config, generation config, tensors.
@@ -314,6 +316,7 @@ impl HfModel {
         let files = SafetensorsFiles::open(dir)?;
         let family = match config.model_type()?.as_str() {
             "gemma3" | "gemma3_text" => Family::Gemma3,
+            "mixtral" => Family::Mixtral,
             _ => Family::Llama,
         };
         // Gemma 3 multimodal checkpoints nest the language model; older and newer transformers
@@ -375,12 +378,13 @@ impl HfModel {
             (_, "ffn_gate") => "mlp.gate_proj",
             (_, "ffn_up") => "mlp.up_proj",
             (_, "ffn_down") => "mlp.down_proj",
+            (Family::Mixtral, "ffn_gate_inp") => "block_sparse_moe.gate",
             (_, "ffn_gate_inp") => "mlp.gate",
             (_, "ffn_gate_shexp") => "mlp.shared_expert.gate_proj",
             (_, "ffn_up_shexp") => "mlp.shared_expert.up_proj",
             (_, "ffn_down_shexp") => "mlp.shared_expert.down_proj",
             (_, "ffn_gate_inp_shexp") => "mlp.shared_expert_gate",
-            (Family::Llama, "ffn_norm") => "post_attention_layernorm",
+            (Family::Llama | Family::Mixtral, "ffn_norm") => "post_attention_layernorm",
             (Family::Gemma3, "post_attention_norm") => "post_attention_layernorm",
             (Family::Gemma3, "ffn_norm") => "pre_feedforward_layernorm",
             (Family::Gemma3, "post_ffw_norm") => "post_feedforward_layernorm",
@@ -419,12 +423,17 @@ impl WeightSource for HfModel {
         self.dir.display().to_string()
     }
 
-    /// Checkpoints keep one tensor per expert (`mlp.experts.3.gate_proj.weight`).
+    /// Checkpoints keep one tensor per expert (`mlp.experts.3.gate_proj.weight`, Mixtral's
+    /// `block_sparse_moe.experts.3.w1.weight`).
     fn expert_weights(&self, name: &str, experts: usize) -> Result<Vec<Weight>> {
-        let proj = |tensor: &str| match tensor {
-            "ffn_gate_exps" => Some("gate_proj"),
-            "ffn_up_exps" => Some("up_proj"),
-            "ffn_down_exps" => Some("down_proj"),
+        let mixtral = self.family == Family::Mixtral;
+        let proj = |tensor: &str| match (tensor, mixtral) {
+            ("ffn_gate_exps", false) => Some("mlp.experts.{e}.gate_proj"),
+            ("ffn_up_exps", false) => Some("mlp.experts.{e}.up_proj"),
+            ("ffn_down_exps", false) => Some("mlp.experts.{e}.down_proj"),
+            ("ffn_gate_exps", true) => Some("block_sparse_moe.experts.{e}.w1"),
+            ("ffn_up_exps", true) => Some("block_sparse_moe.experts.{e}.w3"),
+            ("ffn_down_exps", true) => Some("block_sparse_moe.experts.{e}.w2"),
             _ => None,
         };
         let parsed = name.strip_prefix("blk.").and_then(|r| r.strip_suffix(".weight")).and_then(|r| r.split_once('.'));
@@ -432,7 +441,9 @@ impl WeightSource for HfModel {
             return Err(LoadError::File { path: self.dir.display().to_string(), message: format!("no checkpoint name for tensor {name}") });
         };
         let p = &self.prefix;
-        (0..experts).map(|e| self.files.weight(&format!("{p}layers.{layer}.mlp.experts.{e}.{proj}.weight"))).collect()
+        (0..experts)
+            .map(|e| self.files.weight(&format!("{p}layers.{layer}.{}.weight", proj.replace("{e}", &e.to_string()))))
+            .collect()
     }
 }
 

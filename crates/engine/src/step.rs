@@ -332,7 +332,9 @@ impl<'a> Batch<'a> {
     /// whether it ran.
     fn captured_greedy(&mut self, interrupted: &dyn Fn() -> bool) -> bool {
         let [seq] = &mut self.running[..] else { return false };
-        let decoding = seq.is_decoding() && seq.generated() > 0 && !seq.speculates() && !seq.is_constrained();
+        // One pending token: a resumed sequence first forwards its saved tokens as one decode row.
+        let one_pending = matches!(seq.want(), scheduler::Want::Decode { pending: 1, .. });
+        let decoding = one_pending && seq.generated() > 0 && !seq.speculates() && !seq.is_constrained();
         if !self.waiting.is_empty() || !decoding || !seq.is_plain_greedy() || !use_static_decode(self.model, &self.graph) {
             return false;
         }

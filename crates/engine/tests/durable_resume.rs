@@ -9,7 +9,7 @@ mod common;
 
 use common::*;
 use ferrolm_core::{CancelToken, GenerateParams, GenerationStats, SamplingParams, TokenEvent};
-use ferrolm_engine::{Batch, BatchConfig, Flow, SeqRequest, Sink};
+use ferrolm_engine::{Batch, BatchConfig, Flow, GraphSettings, SeqRequest, Sink};
 use ferrolm_kv::SeqCache;
 use ferrolm_models::CausalLm;
 use ferrolm_sample::{Sampler, SamplerConfig};
@@ -48,9 +48,13 @@ struct Run {
 
 /// Runs `cases` in one batch; case i resumes from `emitted[i]` (empty: a fresh start).
 fn run(model: &dyn CausalLm, cases: &[(Vec<u32>, SamplingParams)], emitted: &[Vec<u32>]) -> Vec<Run> {
+    run_with(model, cases, emitted, Default::default())
+}
+
+pub fn run_with(model: &dyn CausalLm, cases: &[(Vec<u32>, SamplingParams)], emitted: &[Vec<u32>], graph: GraphSettings) -> Vec<Run> {
     let cfg = BatchConfig { max_batch_tokens: 512, max_seqs: 16, kv_budget_bytes: 1 << 30, prompt_cache_bytes: 0 };
     let sampler_cfg = SamplerConfig { vocab_size: model.info().vocab_size, ..Default::default() };
-    let mut batch = Batch::new(model, cfg, Default::default());
+    let mut batch = Batch::new(model, cfg, graph);
     let recs: Vec<_> = cases.iter().map(|_| Rc::new(RefCell::new(Out::default()))).collect();
     let mut ids = Vec::new();
     for (((prompt, sp), r), e) in cases.iter().zip(&recs).zip(emitted) {
@@ -144,3 +148,4 @@ fn resume_continues_bit_for_bit_smollm2() {
 fn resume_continues_bit_for_bit_qwen2() {
     check("qwen2.5-coder-0.5b-instruct-Q4_K_M.gguf", "qwen2.5-coder-0.5b-instruct-Q4_K_M.json");
 }
+

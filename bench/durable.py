@@ -38,7 +38,7 @@ def body(seed, max_tokens, stream=False):
 
 
 def throughput(url, concurrency, max_tokens, seed0):
-    """Completion tokens per second of `concurrency` requests together."""
+    """Completion tokens per second of `concurrency` requests together, and the tokens."""
     tokens = [0] * concurrency
 
     def one(i):
@@ -51,7 +51,13 @@ def throughput(url, concurrency, max_tokens, seed0):
         t.start()
     for t in threads:
         t.join()
-    return sum(tokens) / (time.monotonic() - t0)
+    return sum(tokens) / (time.monotonic() - t0), sum(tokens)
+
+
+def cpu_seconds(pid):
+    """User + system CPU time of a process and its threads (/proc/PID/stat), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def chunk_times(url, key, b):
@@ -122,19 +128,25 @@ def main():
     configs = {"none": [], "every16": ["--checkpoint-dir", str(ckdir), "--checkpoint-every", "16"],
                "every16_nofsync": ["--checkpoint-dir", str(ckdir), "--checkpoint-every", "16", "--checkpoint-fsync", "false"]}
     rates = {k: [] for k in configs}
+    cpu_ms = {k: [] for k in configs}
     for rep in range(args.reps):
         for name, flags in configs.items():
             s = ch.Server(args.bin, args.model, *flags)
             try:
                 throughput(s.url, 1, 8, 1)  # warm-up
-                rates[name].append(throughput(s.url, args.concurrency, args.max_tokens, 100 * rep))
+                c0 = cpu_seconds(s.proc.pid)
+                rate, tokens = throughput(s.url, args.concurrency, args.max_tokens, 100 * rep)
+                rates[name].append(rate)
+                cpu_ms[name].append(1e3 * (cpu_seconds(s.proc.pid) - c0) / tokens)
             finally:
                 s.stop()
-            print(f"rep {rep} {name}: {rates[name][-1]:.1f} tok/s", flush=True)
+            print(f"rep {rep} {name}: {rate:.1f} tok/s, {cpu_ms[name][-1]:.2f} CPU ms/token", flush=True)
     med = {k: round(statistics.median(v), 1) for k, v in rates.items()}
+    med_cpu = {k: round(statistics.median(v), 3) for k, v in cpu_ms.items()}
     out = {
         "concurrency": args.concurrency, "max_tokens": args.max_tokens, "reps": args.reps,
-        "decode_tok_s": rates, "median_tok_s": med,
+        "decode_tok_s": rates, "median_tok_s": med, "cpu_ms_per_token": cpu_ms, "median_cpu_ms_per_token": med_cpu,
+        "checkpoint_cpu_cost_pct": round(100 * (med_cpu["every16"] / med_cpu["none"] - 1), 1),
         "checkpoint_cost_pct": round(100 * (1 - med["every16"] / med["none"]), 1),
         "checkpoint_nofsync_cost_pct": round(100 * (1 - med["every16_nofsync"] / med["none"]), 1),
         "resume": resume_case(args, ckdir),

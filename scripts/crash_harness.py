@@ -161,8 +161,9 @@ def saved_tokens(path):
 
 
 def truncate_one_log(ckdir):
-    """Cuts the largest log a few bytes short: its last record is torn."""
-    logs = sorted(Path(ckdir).glob("*.ckpt"), key=lambda p: p.stat().st_size)
+    """Cuts the largest log that holds records a few bytes short: its last record is torn (a
+    header alone is never torn: a log is created whole and renamed into place)."""
+    logs = sorted((p for p in Path(ckdir).glob("*.ckpt") if saved_tokens(p) > 0), key=lambda p: p.stat().st_size)
     if not logs:
         return None
     p = logs[-1]

@@ -79,7 +79,8 @@ def run_llama(model: Path, ids_file: str, runs: int, decode: int, threads: int) 
 
 
 def run_ferrolm(model: Path, ids_file: str, runs: int, decode: int, threads: int) -> dict:
-    binary = ROOT / "target/release/ferrolm"
+    # FERROLM_BIN: a private copy (others rebuild target/release/ferrolm on a shared machine).
+    binary = Path(os.environ.get("FERROLM_BIN") or ROOT / "target/release/ferrolm")
     env = dict(os.environ, FERROLM_THREADS=str(threads))
     out = subprocess.run([str(binary), "bench", "--model", str(model), "--prompt-ids-file", ids_file,
                           "--runs", str(runs), "--decode-tokens", str(decode), "--device", "cpu", "--json"],

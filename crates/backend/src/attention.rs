@@ -96,11 +96,22 @@ fn attend_quantized(q: &Tensor, k: &Tensor, v: &Tensor, quant: KvQuant, pos: Pos
     }
     let direct = prompt || (t == 1 && decode_kernel(d)) || t >= TILED_MIN_TOKENS;
     if matches!(q.device(), Device::Cpu) && q.dtype() == DType::F32 && direct {
-        let q = q.contiguous()?;
-        return q.apply_op3_no_bwd(k, v, &AttendCpu { pos, params: *p, prompt, quant: Some(quant) });
+        // Rotated rows: queries rotated alike, the output (rotated values) rotated back.
+        let q = if quant.rotate { kv_quant::rotate(q)? } else { q.contiguous()? };
+        let out = q.apply_op3_no_bwd(k, v, &AttendCpu { pos, params: *p, prompt, quant: Some(quant) })?;
+        return unrotate_heads(out, quant, d);
     }
     let (k, v) = (kv_quant::dequantize(quant, k, d)?, kv_quant::dequantize(quant, v, d)?);
     attend_as(q, &k.to_dtype(q.dtype())?, &v.to_dtype(q.dtype())?, None, pos, p, prompt)
+}
+
+/// The attention output `[rows, heads·d]` of rotated values rotated back, per head.
+fn unrotate_heads(out: Tensor, quant: KvQuant, d: usize) -> candle_core::Result<Tensor> {
+    if !quant.rotate {
+        return Ok(out);
+    }
+    let (rows, width) = out.dims2()?;
+    kv_quant::rotate(&out.reshape((rows, width / d, d))?)?.reshape((rows, width))
 }
 
 /// One sequence's decode rows in a batch: q `[T, Hq, D]` (one token, or the pending token and
@@ -156,6 +167,14 @@ fn decode_batch_cpu(queries: &[DecodeQuery<'_>], p: &AttentionParams) -> candle_
     match (kv_dtype, quant) {
         (DType::F16, None) => decode_batch_typed::<FloatRows<half::f16>>(queries, p).map(Some),
         (DType::F32, None) => decode_batch_typed::<FloatRows<f32>>(queries, p).map(Some),
+        (DType::U8, Some(qf)) if qf.rotate => {
+            // Each query rotated on its own, and each output row rotated back on its own: a
+            // row's bits do not depend on the rest of the batch.
+            let rotated = queries.iter().map(|d| kv_quant::rotate(d.q)).collect::<candle_core::Result<Vec<_>>>()?;
+            let queries: Vec<DecodeQuery> = queries.iter().zip(&rotated).map(|(d, q)| DecodeQuery { q, ..*d }).collect();
+            let out = decode_batch_typed::<QuantRows>(&queries, p)?;
+            unrotate_heads(out, qf, first.q.dims()[2]).map(Some)
+        }
         (DType::U8, Some(_)) => decode_batch_typed::<QuantRows>(queries, p).map(Some),
         _ => Ok(None),
     }

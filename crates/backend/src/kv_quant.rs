@@ -7,6 +7,13 @@
 //! code range on the group's actual span, which matters at 4 bits. Groups run along head_dim
 //! only, so every cached token is one self-contained row and trimming by tokens stays exact.
 //!
+//! Rows are first rotated by a normalized Walsh–Hadamard transform along head_dim (as llama.cpp
+//! does for its quantized KV since 2026, `attn_rot_k`/`attn_rot_v`): keys of models with outlier
+//! channels (Qwen2's k biases) spread their outliers over the whole row, so a group's range, and
+//! its quantization step, shrink. Queries get the same rotation (q·k is unchanged by an
+//! orthonormal rotation) and the attention output the inverse (the transform is its own
+//! inverse), so attention reads rotated rows as they are.
+//!
 //! A row of one (head, token) is `codes` then `groups × (scale, bias)` as little-endian f16:
 //! 8 bits: one byte per value; 4 bits: per 32-value block 16 bytes, byte i holding value i in
 //! its low nibble and value i+16 in its high nibble (so 16 consecutive values unpack from 16
@@ -19,6 +26,8 @@ use half::f16;
 pub struct KvQuant {
     pub bits: u8,
     pub group: usize,
+    /// Rows (and queries) rotated by the Walsh–Hadamard transform (the default).
+    pub rotate: bool,
 }
 
 /// Group sizes accepted (powers of two, multiples of the 32-value 4-bit block).
@@ -33,7 +42,12 @@ impl KvQuant {
         if !GROUP_SIZES.contains(&group) {
             return Err(format!("KV group size must be one of {GROUP_SIZES:?}, not {group}"));
         }
-        Ok(Self { bits, group })
+        Ok(Self { bits, group, rotate: true })
+    }
+
+    /// The format without (false) or with the Hadamard rotation.
+    pub fn with_rotation(self, rotate: bool) -> Self {
+        Self { rotate, ..self }
     }
 
     /// Whether rows of head size `d` can be stored (whole groups).
@@ -45,8 +59,9 @@ impl KvQuant {
     }
 
     /// Names the format in cache signatures: `q8g64`.
+    /// `-norot` marks a format without the rotation.
     pub fn name(&self) -> String {
-        format!("q{}g{}", self.bits, self.group)
+        format!("q{}g{}{}", self.bits, self.group, if self.rotate { "" } else { "-norot" })
     }
 
     pub fn code_bytes(&self, d: usize) -> usize {
@@ -152,23 +167,67 @@ impl KvQuant {
     }
 }
 
-/// Quantizes `x` `[.., d]` (any float dtype) into a U8 tensor `[.., row_bytes]`.
+/// The Walsh–Hadamard block for head size `d`: its largest power-of-two divisor.
+pub fn hadamard_block(d: usize) -> usize {
+    1 << d.trailing_zeros()
+}
+
+/// Rotates every row of `d` values in `x` by the normalized Walsh–Hadamard transform (over
+/// blocks of [`hadamard_block`]); applying it twice gives the rows back (up to f32 rounding).
+/// The same arithmetic for every row, whatever else is in `x`.
+pub fn rotate_rows(x: &mut [f32], d: usize) {
+    let n = hadamard_block(d);
+    let norm = 1.0 / (n as f32).sqrt();
+    for block in x.chunks_exact_mut(n) {
+        let mut h = 1;
+        while h < n {
+            for i in (0..n).step_by(2 * h) {
+                for j in i..i + h {
+                    let (a, b) = (block[j], block[j + h]);
+                    block[j] = a + b;
+                    block[j + h] = a - b;
+                }
+            }
+            h *= 2;
+        }
+        block.iter_mut().for_each(|v| *v *= norm);
+    }
+}
+
+/// `x` `[.., d]` (f32, any layout) with every row rotated ([`rotate_rows`]).
+pub fn rotate(x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+    let d = *x.dims().last().unwrap_or(&1);
+    let mut data = x.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    rotate_rows(&mut data, d);
+    candle_core::Tensor::from_vec(data, x.dims(), x.device())
+}
+
+/// Quantizes `x` `[.., d]` (any float dtype) into a U8 tensor `[.., row_bytes]`, rotated
+/// first when the format says so.
 pub fn quantize(q: KvQuant, x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
     let dims = x.dims().to_vec();
     let d = *dims.last().unwrap_or(&0);
-    let data = x.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let mut data = x.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    if q.rotate {
+        rotate_rows(&mut data, d);
+    }
     let rows = q.quantize_rows(&data, d);
     let mut shape = dims;
     *shape.last_mut().unwrap() = q.row_bytes(d);
     candle_core::Tensor::from_vec(rows, shape, x.device())
 }
 
-/// Dequantizes a U8 tensor `[.., row_bytes]` of head size `d` into f32 `[.., d]`.
+/// Dequantizes a U8 tensor `[.., row_bytes]` of head size `d` into f32 `[.., d]`, rotated back
+/// when the format rotates.
 pub fn dequantize(q: KvQuant, rows: &candle_core::Tensor, d: usize) -> candle_core::Result<candle_core::Tensor> {
     let mut shape = rows.dims().to_vec();
     let data = rows.flatten_all()?.to_vec1::<u8>()?;
     *shape.last_mut().unwrap() = d;
-    candle_core::Tensor::from_vec(q.dequantize_rows(&data, d), shape, rows.device())
+    let mut values = q.dequantize_rows(&data, d);
+    if q.rotate {
+        rotate_rows(&mut values, d);
+    }
+    candle_core::Tensor::from_vec(values, shape, rows.device())
 }
 
 #[cfg(test)]
@@ -249,6 +308,27 @@ mod tests {
         assert_eq!(KvQuant::new(4, 32).unwrap().row_bytes(64), 40);
         assert!(KvQuant::new(3, 32).is_err() && KvQuant::new(8, 48).is_err());
         assert!(q8.check_head_dim(96).is_err() && q8.check_head_dim(192).is_ok());
+    }
+
+    /// The rotation is orthonormal (dot products kept) and its own inverse, for head sizes of
+    /// one power-of-two block and of several (96 = 3 × 32).
+    #[test]
+    fn rotation_keeps_dot_products_and_undoes_itself() {
+        for d in [64, 128, 96] {
+            let (a, b) = (data(d, 1), data(d, 2));
+            let (mut ra, mut rb) = (a.clone(), b.clone());
+            rotate_rows(&mut ra, d);
+            rotate_rows(&mut rb, d);
+            let dot = |x: &[f32], y: &[f32]| x.iter().zip(y).map(|(p, q)| *p as f64 * *q as f64).sum::<f64>();
+            assert!((dot(&a, &b) - dot(&ra, &rb)).abs() < 1e-4 * dot(&a, &a).sqrt() * dot(&b, &b).sqrt());
+            rotate_rows(&mut ra, d);
+            assert!(a.iter().zip(&ra).all(|(x, y)| (x - y).abs() < 1e-5 * x.abs().max(1.0)), "d {d}");
+        }
+        // An outlier channel is spread over the block.
+        let mut x = vec![0f32; 64];
+        x[5] = 8.0;
+        rotate_rows(&mut x, 64);
+        assert!(x.iter().all(|v| v.abs() == 1.0));
     }
 
     /// A constant group (zero range) reads back exactly as its f16 value.

@@ -7,7 +7,8 @@ use ferrolm_backend::attention::{attend_decode_batch, attend_generic, attend_pro
 use ferrolm_backend::kv_quant::{dequantize, quantize, KvQuant};
 
 fn formats() -> Vec<KvQuant> {
-    [(8, 32), (8, 64), (4, 32), (4, 64)].iter().map(|&(b, g)| KvQuant::new(b, g).unwrap()).collect()
+    let rotated = [(8, 32), (8, 64), (4, 32), (4, 64)].map(|(b, g)| KvQuant::new(b, g).unwrap());
+    rotated.iter().flat_map(|q| [*q, q.with_rotation(false)]).collect()
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {

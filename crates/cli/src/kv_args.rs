@@ -18,12 +18,19 @@ pub struct KvArgs {
     /// Values per quantization group along head_dim: 32, 64 or 128.
     #[arg(long, default_value_t = DEFAULT_GROUP)]
     kv_group_size: usize,
+    /// Quantize keys and values as they are, without the Walsh–Hadamard rotation.
+    #[arg(long)]
+    kv_no_rotate: bool,
 }
 
 impl KvArgs {
     pub fn scheme(&self) -> CliResult<KvScheme> {
         let bits = self.kv_bits.as_deref().map(|b| b.parse::<u8>().map_err(|e| CliError::usage(format!("--kv-bits: {e}")))).transpose()?;
-        KvScheme::from_flags(bits, self.kv_group_size).map_err(CliError::usage)
+        let scheme = KvScheme::from_flags(bits, self.kv_group_size).map_err(CliError::usage)?;
+        Ok(match scheme {
+            KvScheme::Quant(q) => KvScheme::Quant(q.with_rotation(!self.kv_no_rotate)),
+            float => float,
+        })
     }
 
     /// Sets the scheme on `model`; a model or device that cannot take it is a usage error.
@@ -32,22 +39,28 @@ impl KvArgs {
     }
 }
 
-/// `f16` (or `f32`) or `q<bits>g<group>` (`q8g32`, `q4g64`).
+/// `f16` (or `f32`) or `q<bits>g<group>` (`q8g32`, `q4g64`), `-norot` appended for a format
+/// without the rotation.
 pub fn parse_scheme(s: &str) -> Result<KvScheme, String> {
     if s == "f16" || s == "f32" {
         return Ok(KvScheme::Float);
     }
-    let bad = || format!("KV scheme `{s}`: expected f16 or q<bits>g<group> (q8g32, q4g64)");
+    let bad = || format!("KV scheme `{s}`: expected f16 or q<bits>g<group>[-norot] (q8g32, q4g64-norot)");
+    let (s, rotate) = match s.strip_suffix("-norot") {
+        Some(rest) => (rest, false),
+        None => (s, true),
+    };
     let rest = s.strip_prefix('q').ok_or_else(bad)?;
     let (bits, group) = rest.split_once('g').ok_or_else(bad)?;
     let (bits, group) = (bits.parse::<u8>().map_err(|_| bad())?, group.parse::<usize>().map_err(|_| bad())?);
-    KvQuant::new(bits, group).map(KvScheme::Quant)
+    KvQuant::new(bits, group).map(|q| KvScheme::Quant(q.with_rotation(rotate)))
 }
 
-/// The name [`parse_scheme`] reads.
+/// The name [`parse_scheme`] reads; a float cache is named by the CPU's KV dtype (f32 with
+/// FERROLM_CPU_EXACT=1).
 pub fn scheme_name(s: &KvScheme) -> String {
     match s {
-        KvScheme::Float => "f16".into(),
+        KvScheme::Float => format!("{:?}", ferrolm_backend::kv_dtype(&candle_core::Device::Cpu)).to_lowercase(),
         KvScheme::Quant(q) => q.name(),
     }
 }
@@ -58,8 +71,9 @@ mod tests {
 
     #[test]
     fn scheme_names_round_trip() {
-        for name in ["f16", "q8g32", "q8g64", "q4g32", "q4g128"] {
-            assert_eq!(scheme_name(&parse_scheme(name).unwrap()), name);
+        for name in ["f16", "q8g32", "q8g64", "q4g32", "q4g128", "q8g32-norot"] {
+            let back = scheme_name(&parse_scheme(name).unwrap());
+            assert!(back == name || (name == "f16" && back == "f32"), "{name}: {back}");
         }
         for bad in ["q8", "q3g32", "q8g48", "int8", "q8gx"] {
             assert!(parse_scheme(bad).is_err(), "{bad}");

@@ -134,12 +134,12 @@ fn argmax(row: &[f32]) -> usize {
 
 fn report(args: &Args, schemes: &[KvScheme], tallies: &[Tally], tokens: usize, windows: usize) -> CliResult<()> {
     let mut rows = Vec::new();
-    println!("{:<8} {:>10} {:>10} {:>12} {:>10} {:>10} {:>12}", "kv", "ppl", "Δppl", "mean KL", "max KL", "top1 same", "B/tok/layer");
+    println!("{:<12} {:>10} {:>10} {:>12} {:>10} {:>10} {:>12}", "kv", "ppl", "Δppl", "mean KL", "max KL", "top1 same", "B/tok/layer");
     let base_ppl = (tallies[0].nll / tallies[0].tokens as f64).exp();
     for (s, t) in schemes.iter().zip(tallies) {
         let ppl = (t.nll / t.tokens as f64).exp();
         let (kl, same) = (t.kl / t.tokens as f64, t.top1_same as f64 / t.tokens as f64);
-        println!("{:<8} {ppl:>10.4} {:>10.4} {kl:>12.6} {:>10.4} {:>9.2}% {:>12}", scheme_name(s), ppl - base_ppl, t.kl_max, 100.0 * same, t.bytes_per_token_layer);
+        println!("{:<12} {ppl:>10.4} {:>10.4} {kl:>12.6} {:>10.4} {:>9.2}% {:>12}", scheme_name(s), ppl - base_ppl, t.kl_max, 100.0 * same, t.bytes_per_token_layer);
         rows.push(serde_json::json!({
             "kv": scheme_name(s), "ppl": ppl, "delta_ppl": ppl - base_ppl, "mean_kl": kl, "max_kl": t.kl_max,
             "top1_same": same, "scored_tokens": t.tokens, "seconds": t.seconds, "bytes_per_token_per_layer": t.bytes_per_token_layer,

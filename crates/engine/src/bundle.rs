@@ -5,7 +5,6 @@ use ferrolm_models::loader::ProgressFn;
 use ferrolm_models::{paths, CausalLm, GenerationConfig, ModelSource};
 use ferrolm_text::{ChatTemplate, RenderOptions, Tokenizer, TokenizerSpec};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 /// Why a model could not be loaded; the message names the file and the problem.
 #[derive(Debug, thiserror::Error)]
@@ -17,8 +16,7 @@ pub struct Bundle {
     /// Name under which the model is served (the file name without extension).
     pub name: String,
     pub model: Box<dyn CausalLm>,
-    /// Shared: the grammar compiler (structured output) holds it too.
-    pub tokenizer: Arc<Tokenizer>,
+    pub tokenizer: Tokenizer,
     pub template: Option<ChatTemplate>,
     /// The tokenizer's EOS ids plus `generation_config.json`'s `eos_token_id`s.
     pub eos_ids: Vec<u32>,
@@ -100,7 +98,7 @@ pub fn load_with_progress(
         path,
         name,
         model,
-        tokenizer: Arc::new(tokenizer),
+        tokenizer,
         template,
         eos_ids,
         generation,

@@ -21,7 +21,6 @@ mod responses;
 mod routes;
 pub mod state;
 mod stream;
-mod structured;
 
 pub use config::ServerConfig;
 pub use routes::router;

@@ -43,17 +43,12 @@ impl MoeMlp {
         let (tokens, hidden) = x.dims2()?;
         let logits = self.router.forward_rows(x, decode_rows)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         let groups = group_by_expert(&logits, self.experts.len(), self.routing);
+        let active: Vec<usize> = (0..groups.len()).filter(|&e| !groups[e].rows.is_empty()).collect();
+        let outputs = self.run_experts(x, decode_rows, &groups, &active)?;
         let mut out = vec![0f32; tokens * hidden];
-        for (expert, group) in self.experts.iter().zip(&groups) {
-            if group.rows.is_empty() {
-                continue;
-            }
-            // Decode rows come first in x, so they come first in each group: the expert runs
-            // them on the decode kernels, whose result for a row does not depend on the others.
-            let group_decode = group.rows.iter().take_while(|&&r| (r as usize) < decode_rows).count();
-            let y = expert.forward(&gather(x, &group.rows)?, group_decode)?;
-            let y = y.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-            for ((&row, &w), yr) in group.rows.iter().zip(&group.weights).zip(&y) {
+        for (&e, y) in active.iter().zip(&outputs) {
+            let group = &groups[e];
+            for ((&row, &w), yr) in group.rows.iter().zip(&group.weights).zip(y) {
                 let dst = &mut out[row as usize * hidden..(row as usize + 1) * hidden];
                 dst.iter_mut().zip(yr).for_each(|(d, v)| *d += w * v);
             }
@@ -62,6 +57,32 @@ impl MoeMlp {
             self.add_shared(shared, x, decode_rows, &mut out, hidden)?;
         }
         Tensor::from_vec(out, (tokens, hidden), &Device::Cpu)?.to_device(x.device())?.to_dtype(x.dtype())
+    }
+
+    /// Each active expert on its rows: `[rows of its group][hidden]` f32, in `active`'s order.
+    /// Decode-only forwards on the CPU run the experts side by side, one per thread at a time
+    /// (each product on one thread: a decode token's experts are too small to split, and one
+    /// handoff per layer replaces three per expert); a row's result is the same either way
+    /// (each output element is computed whole by one thread), so the bits do not depend on it.
+    fn run_experts(&self, x: &Tensor, decode_rows: usize, groups: &[Group], active: &[usize]) -> Result<Vec<Vec<Vec<f32>>>> {
+        let one = |e: usize| -> Result<Vec<Vec<f32>>> {
+            let group = &groups[e];
+            // Decode rows come first in x, so they come first in each group: the expert runs
+            // them on the decode kernels, whose result for a row does not depend on the others.
+            let group_decode = group.rows.iter().take_while(|&&r| (r as usize) < decode_rows).count();
+            let y = self.experts[e].forward(&gather(x, &group.rows)?, group_decode)?;
+            y.to_dtype(DType::F32)?.to_vec2::<f32>()
+        };
+        if !(x.device().is_cpu() && decode_rows == x.dim(0)? && active.len() > 1) {
+            return active.iter().map(|&e| one(e)).collect();
+        }
+        let slots: Vec<std::sync::Mutex<Option<Result<Vec<Vec<f32>>>>>> = active.iter().map(|_| Default::default()).collect();
+        ferrolm_backend::cpu::threads::parallel_ranges(active.len(), 1, true, |range| {
+            for i in range {
+                *slots[i].lock().unwrap() = Some(one(active[i]));
+            }
+        });
+        slots.into_iter().map(|s| s.into_inner().unwrap().expect("every expert ran")).collect()
     }
 
     fn add_shared(&self, shared: &SharedExpert, x: &Tensor, decode_rows: usize, out: &mut [f32], hidden: usize) -> Result<()> {
@@ -122,6 +143,49 @@ fn group_by_expert(logits: &[Vec<f32>], experts: usize, routing: Routing) -> Vec
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layers::{Activation, FusedLinear};
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use ferrolm_backend::Weight;
+
+    fn weight(rows: usize, cols: usize, dtype: GgmlDType) -> Weight {
+        let t = (Tensor::randn(0f32, 1.0, (rows, cols), &Device::Cpu).unwrap() / (cols as f64).sqrt()).unwrap();
+        let data = match dtype {
+            GgmlDType::F32 => t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().flat_map(|v| v.to_le_bytes()).collect(),
+            _ => QTensor::quantize(&t, dtype).unwrap().data().unwrap().to_vec(),
+        };
+        Weight { dtype, dims: vec![rows, cols], data: std::sync::Arc::new(data) }
+    }
+
+    /// Experts large enough that their products are split over the CPU threads.
+    fn layer(dtype: GgmlDType) -> MoeMlp {
+        let (hidden, ff, experts) = (512, 256, 8);
+        let expert = |_| GatedMlp {
+            gate_up: FusedLinear::new(&[&weight(ff, hidden, dtype), &weight(ff, hidden, dtype)], &[None, None], &Device::Cpu).unwrap(),
+            down: Linear::new(&weight(hidden, ff, dtype), None, &Device::Cpu).unwrap(),
+            activation: Activation::Silu,
+        };
+        MoeMlp {
+            router: Linear::new(&weight(experts, hidden, GgmlDType::F32), None, &Device::Cpu).unwrap(),
+            experts: (0..experts).map(expert).collect(),
+            routing: Routing { top_k: 2, renormalize: true },
+            shared: None,
+        }
+    }
+
+    /// A decode row's output is the same bits alone (experts side by side, each product on
+    /// one thread) as beside prompt rows (each product split over the threads).
+    #[test]
+    fn a_decode_row_is_the_same_bits_alone_and_in_a_batch() {
+        for dtype in [GgmlDType::F32, GgmlDType::Q8_0] {
+            let moe = layer(dtype);
+            let x = Tensor::randn(0f32, 1.0, (9, 512), &Device::Cpu).unwrap();
+            let alone = moe.forward(&x.narrow(0, 0, 1).unwrap(), 1).unwrap().to_vec2::<f32>().unwrap();
+            let batch = moe.forward(&x, 1).unwrap().to_vec2::<f32>().unwrap();
+            assert_eq!(alone[0], batch[0], "{dtype:?}");
+            let two = moe.forward(&x.narrow(0, 0, 2).unwrap(), 2).unwrap().to_vec2::<f32>().unwrap();
+            assert_eq!(alone[0], two[0], "{dtype:?}: two decode rows");
+        }
+    }
 
     #[test]
     fn routing_picks_the_top_k_and_renormalizes_when_asked() {

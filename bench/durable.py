@@ -54,6 +54,37 @@ def throughput(url, concurrency, max_tokens, seed0):
     return sum(tokens) / (time.monotonic() - t0), sum(tokens)
 
 
+def paired(args, ckdir):
+    """Both servers (no checkpoints; a record every 16 tokens) loaded at the same time with the
+    same requests, so that a busy machine's noise hits both alike: the ratio of their rates."""
+    servers = {"none": ch.Server(args.bin, args.model),
+               "every16": ch.Server(args.bin, args.model, "--checkpoint-dir", str(ckdir), "--checkpoint-every", "16")}
+    ratios, cpu_ratios = [], []
+    try:
+        for s in servers.values():
+            throughput(s.url, 1, 8, 1)
+        for rep in range(args.reps):
+            got, cpu0 = {}, {k: cpu_seconds(s.proc.pid) for k, s in servers.items()}
+
+            def run(name):
+                got[name] = throughput(servers[name].url, args.concurrency, args.max_tokens, 100 * rep)
+
+            threads = [threading.Thread(target=run, args=(k,)) for k in servers]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            cpu = {k: (cpu_seconds(s.proc.pid) - cpu0[k]) / got[k][1] for k, s in servers.items()}
+            ratios.append(got["every16"][0] / got["none"][0])
+            cpu_ratios.append(cpu["every16"] / cpu["none"])
+            print(f"paired rep {rep}: rate ratio {ratios[-1]:.3f}, CPU per token ratio {cpu_ratios[-1]:.3f}", flush=True)
+    finally:
+        for s in servers.values():
+            s.stop()
+    return {"rate_ratio": [round(r, 4) for r in ratios], "median_rate_ratio": round(statistics.median(ratios), 4),
+            "cpu_per_token_ratio": [round(r, 4) for r in cpu_ratios], "median_cpu_per_token_ratio": round(statistics.median(cpu_ratios), 4)}
+
+
 def cpu_seconds(pid):
     """User + system CPU time of a process and its threads (/proc/PID/stat), in seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -149,6 +180,7 @@ def main():
         "checkpoint_cpu_cost_pct": round(100 * (med_cpu["every16"] / med_cpu["none"] - 1), 1),
         "checkpoint_cost_pct": round(100 * (1 - med["every16"] / med["none"]), 1),
         "checkpoint_nofsync_cost_pct": round(100 * (1 - med["every16_nofsync"] / med["none"]), 1),
+        "paired": paired(args, ckdir),
         "resume": resume_case(args, ckdir),
         "fdatasync": fsync_cost(ckdir),
     }

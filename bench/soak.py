@@ -3,7 +3,7 @@ default), then checks that nothing broke: no error the client did not cause, RSS
 after warm-up, no file descriptors leaked.
 
 Each client loops over a mix: chat completions (whole and streamed), streams cancelled after a
-few chunks, text completions, Anthropic messages (whole and streamed), Responses, and bad
+few chunks, text completions, Anthropic messages (whole and streamed), Responses, JSON-schema constrained answers, and bad
 requests (malformed JSON, wrong types, a prompt beyond the context, unknown routes) that must get
 a 4xx in the API's shape. The server's RSS, open descriptors and threads are sampled every 10 s.
 
@@ -94,12 +94,29 @@ def responses(c, rng):
     return r.status_code == 200 and r.json()["status"] in ("completed", "incomplete"), r.text
 
 
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["title", "rating"],
+          "properties": {"title": {"type": "string", "maxLength": 30}, "rating": {"type": "integer", "minimum": 1, "maximum": 5}}}
+
+
+def structured(c, rng):
+    """A JSON-schema constrained answer: when it finishes, it parses into the schema's keys."""
+    body = {"messages": [{"role": "user", "content": "Review " + rng.choice(TOPICS) + " as JSON."}], "max_tokens": 60,
+            "temperature": rng.choice([0, 0.8]), "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}}
+    r = c.post("/v1/chat/completions", json=body)
+    if r.status_code != 200:
+        return False, r.text
+    choice = r.json()["choices"][0]
+    if choice["finish_reason"] == "length":
+        return True, ""
+    return set(json.loads(choice["message"]["content"])) == {"title", "rating"}, choice["message"]["content"]
+
+
 BAD = [
     ("/v1/chat/completions", b'{"messages": ['),
     ("/v1/chat/completions", json.dumps({"messages": "x"}).encode()),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode()),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi " * 9000}]}).encode()),
-    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}).encode()),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "guided_regex": "(unclosed"}).encode()),
     ("/v1/messages", json.dumps({"model": "m", "messages": []}).encode()),
     ("/v1/completions", json.dumps({"prompt": [10 ** 9]}).encode()),
     ("/v1/nothing", b"{}"),
@@ -115,7 +132,7 @@ def bad(c, rng):
 MIX = [(30, "chat", lambda c, g: chat(c, g, False)), (20, "chat_stream", lambda c, g: chat(c, g, True)),
        (10, "cancelled_stream", cancelled), (10, "completion", completion),
        (8, "messages", lambda c, g: messages(c, g, False)), (7, "messages_stream", lambda c, g: messages(c, g, True)),
-       (5, "responses", responses), (10, "bad_request", bad)]
+       (5, "responses", responses), (5, "structured", structured), (10, "bad_request", bad)]
 
 
 def client(url, seed, until, tally):

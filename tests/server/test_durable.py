@@ -125,23 +125,12 @@ def test_a_client_that_left_keeps_its_log_and_a_reused_key_is_refused(tmp_path):
 
 
 def test_non_durable_requests_run_and_leave_no_log(tmp_path):
-    """n > 1, logprobs: answered as usual, no log; a completed durable request leaves none."""
     s = ch.Server(binary(), str(SMOLLM2), "--checkpoint-dir", str(tmp_path))
     try:
         for extra in [{"n": 2}, {"logprobs": True, "top_logprobs": 1}, {}]:
             r = httpx.post(s.url + "/v1/chat/completions", json=body(stream=False, **extra), timeout=60)
             assert r.status_code == 200, r.text
         time.sleep(0.3)
-        assert not list(tmp_path.glob("*.ckpt"))
-        # An unseeded request without a key writes no log even when its client leaves: a resend
-        # may be a "regenerate" and must not continue the earlier draw.
-        unseeded = body(max_tokens=200)
-        del unseeded["seed"]
-        with httpx.stream("POST", s.url + "/v1/chat/completions", json=unseeded, timeout=60) as r:
-            for i, _ in enumerate(r.iter_lines()):
-                if i > 20:
-                    break
-        time.sleep(0.5)
         assert not list(tmp_path.glob("*.ckpt"))
     finally:
         s.stop()

@@ -143,8 +143,7 @@ def test_text_logs_have_no_colour_codes_and_no_prompt(server, http):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("grammar", 'root ::= "x"'),
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("functions", [{"name": "f", "parameters": {}}]),
     ("web_search_options", {}),

@@ -125,12 +125,23 @@ def test_a_client_that_left_keeps_its_log_and_a_reused_key_is_refused(tmp_path):
 
 
 def test_non_durable_requests_run_and_leave_no_log(tmp_path):
+    """n > 1, logprobs: answered as usual, no log; a completed durable request leaves none."""
     s = ch.Server(binary(), str(SMOLLM2), "--checkpoint-dir", str(tmp_path))
     try:
         for extra in [{"n": 2}, {"logprobs": True, "top_logprobs": 1}, {}]:
             r = httpx.post(s.url + "/v1/chat/completions", json=body(stream=False, **extra), timeout=60)
             assert r.status_code == 200, r.text
         time.sleep(0.3)
+        assert not list(tmp_path.glob("*.ckpt"))
+        # An unseeded request without a key writes no log even when its client leaves: a resend
+        # may be a "regenerate" and must not continue the earlier draw.
+        unseeded = body(max_tokens=200)
+        del unseeded["seed"]
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json=unseeded, timeout=60) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i > 20:
+                    break
+        time.sleep(0.5)
         assert not list(tmp_path.glob("*.ckpt"))
     finally:
         s.stop()
@@ -146,3 +157,27 @@ def test_expired_logs_are_removed_at_start(tmp_path):
     s = ch.Server(binary(), str(SMOLLM2), "--checkpoint-dir", str(tmp_path), "--checkpoint-ttl", "3600")
     s.stop()
     assert not old.exists() and fresh.exists()
+
+
+def test_shutdown_refuses_new_generations_with_503_and_exits(tmp_path):
+    """SIGTERM while a long prompt is in its prefill step (the engine answers the checkpoint
+    request between steps): every generation request meanwhile gets 503 with Retry-After, and
+    the process exits 0 within the bound."""
+    s = ch.Server(binary(), str(SMOLLM2), "--checkpoint-dir", str(tmp_path), "--max-batch-tokens", "2048")
+    long = " ".join(["the quick brown fox jumps over the lazy dog"] * 150)
+    busy = {"messages": [{"role": "user", "content": long}], "max_tokens": 20, "seed": 1, "stream": True}
+    ch.threading.Thread(target=ch.stream, args=(s.url, "long", busy), daemon=True).start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    statuses = set()
+    with httpx.Client(base_url=s.url, timeout=5) as c:
+        while time.monotonic() - t0 < 10:
+            try:
+                r = c.post("/v1/chat/completions", json=body(stream=False, max_tokens=2))
+            except httpx.HTTPError:
+                break
+            statuses.add((r.status_code, r.headers.get("retry-after")))
+    assert s.proc.wait(10) == 0
+    assert time.monotonic() - t0 < 6.5
+    assert statuses == {(503, "1")}, statuses

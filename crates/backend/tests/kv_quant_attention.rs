@@ -111,3 +111,45 @@ fn mismatched_rows_are_errors() {
     let wrong = Tensor::zeros((2, 5, 70), DType::U8, &Device::Cpu).unwrap();
     assert!(attend_quant(&qt, &wrong, &wrong, Some(q), Positions { query_start: 4, key_start: 0 }, &p).is_err());
 }
+
+/// Decode attention time per token over f16 and quantized caches at 512, 4k and 16k keys,
+/// Llama-3.1-8B's shape (32 query heads, 8 kv heads, head_dim 128) and Qwen2.5-0.5B's (14, 2,
+/// 64). Timing, not a check: `cargo test --release -p ferrolm-backend --test kv_quant_attention
+/// -- --ignored --nocapture decode_attention_speed`.
+#[test]
+#[ignore = "timing; run by hand (docs/kv_quant.md)"]
+fn decode_attention_speed() {
+    use std::time::Instant;
+    let dev = Device::Cpu;
+    let p = |d: usize| AttentionParams { scale: 1.0 / (d as f32).sqrt(), window: None, softcap: None };
+    for (name, hq, hkv, d) in [("llama-8b", 32, 8, 128), ("qwen-0.5b", 14, 2, 64)] {
+        for s in [512, 4096, 16384] {
+            let q = Tensor::randn(0f32, 1.0, (1, hq, d), &dev).unwrap();
+            let x = Tensor::randn(0f32, 1.0, (hkv, s, d), &dev).unwrap();
+            let pos = Positions { query_start: s - 1, key_start: 0 };
+            let reps = (50_000_000 / (s * hkv * d)).clamp(3, 500);
+            let f16 = x.to_dtype(DType::F16).unwrap();
+            let formats = [KvQuant::new(8, 32).unwrap(), KvQuant::new(8, 32).unwrap().with_rotation(false), KvQuant::new(4, 32).unwrap()];
+            let rows: Vec<Tensor> = formats.iter().map(|qf| quantize(*qf, &x).unwrap()).collect();
+            let kinds: Vec<(&Tensor, Option<KvQuant>)> = [(&f16, None)].into_iter().chain(rows.iter().zip(formats).map(|(r, f)| (r, Some(f)))).collect();
+            // The busy machine: rounds alternate the kinds, and each kind's best round counts.
+            let mut best = vec![f64::INFINITY; kinds.len()];
+            for _ in 0..7 {
+                for (b, (k, quant)) in best.iter_mut().zip(&kinds) {
+                    let run = || attend_quant(&q, k, k, *quant, pos, &p(d)).unwrap();
+                    run();
+                    let t = Instant::now();
+                    for _ in 0..reps {
+                        run();
+                    }
+                    *b = b.min(t.elapsed().as_secs_f64() / reps as f64 * 1e6);
+                }
+            }
+            let mut line = format!("{name} s={s:>5}: f16 {:>8.1} µs", best[0]);
+            for (f, us) in formats.iter().zip(&best[1..]) {
+                line += &format!(" | {} {us:>8.1} µs ({:.2}× f16)", f.name(), us / best[0]);
+            }
+            println!("{line}");
+        }
+    }
+}

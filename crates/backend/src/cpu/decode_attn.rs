@@ -62,6 +62,56 @@ pub trait Rows: Copy + Sync {
     /// # Safety
     /// AVX-512F (and F16C) available; `row` from `row_at` of a row that exists, `col + 16 ≤ d`.
     unsafe fn load16(&self, row: Self::Row, col: usize) -> __m512;
+
+    /// Values `col..col+64` of `row` (the value phase's columns of one pass).
+    ///
+    /// # Safety
+    /// As [`Rows::load16`], `col + 64 ≤ d`.
+    #[inline(always)]
+    unsafe fn load64(&self, row: Self::Row, col: usize) -> [__m512; 4] {
+        [self.load16(row, col), self.load16(row, col + 16), self.load16(row, col + 32), self.load16(row, col + 48)]
+    }
+
+    /// What [`Rows::dot`] needs of a query beyond its values (quantized rows: its sum per group).
+    fn prepare_query(&self, q: &[f32]) -> [f32; MAX_GROUPS] {
+        let _ = q;
+        [0.0; MAX_GROUPS]
+    }
+
+    /// q·row over `d` values: one 16-lane FMA chain of q with the widened values, then summed.
+    ///
+    /// # Safety
+    /// As [`Rows::load16`]; `d` values readable at `q`.
+    #[inline(always)]
+    unsafe fn dot(&self, row: Self::Row, q: *const f32, d: usize, prep: &[f32; MAX_GROUPS]) -> f32 {
+        let _ = prep;
+        let mut acc = _mm512_setzero_ps();
+        for i in (0..d).step_by(16) {
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(i)), self.load16(row, i), acc);
+        }
+        _mm512_reduce_add_ps(acc)
+    }
+}
+
+/// Groups per row at most for [`Rows::prepare_query`] (head_dim 2048 in groups of 32).
+pub const MAX_GROUPS: usize = 64;
+
+impl QKv<'_> {
+    /// Codes `col..col+16` of `row` as 16 i32 lanes.
+    #[inline(always)]
+    unsafe fn codes16(&self, row: *const u8, col: usize) -> __m512i {
+        if self.quant.bits == 8 {
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(row.add(col) as *const __m128i))
+        } else {
+            // 4 bits: the 32-value block's 16 bytes; low nibbles are its first 16 values.
+            let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(row.add(col / 32 * 16) as *const __m128i));
+            if col % 32 == 0 {
+                _mm512_and_si512(bytes, _mm512_set1_epi32(0xf))
+            } else {
+                _mm512_srli_epi32::<4>(bytes)
+            }
+        }
+    }
 }
 
 impl<E: Elem> Rows for Kv<'_, E> {
@@ -78,24 +128,62 @@ impl<E: Elem> Rows for Kv<'_, E> {
 
 impl Rows for QKv<'_> {
     type Row = *const u8;
+
+    /// The query's sum over each group (the bias term of q·k is bias × that sum).
+    fn prepare_query(&self, q: &[f32]) -> [f32; MAX_GROUPS] {
+        let mut sums = [0f32; MAX_GROUPS];
+        for (s, g) in sums.iter_mut().zip(q.chunks_exact(self.quant.group)) {
+            *s = g.iter().sum();
+        }
+        sums
+    }
+
+    /// q·k of an affine row without widening it: per group, q·codes as a 16-lane FMA chain,
+    /// then × scale into the running vector; the biases' share, Σ bias·Σq, added at the end.
+    #[inline(always)]
+    unsafe fn dot(&self, row: *const u8, q: *const f32, d: usize, prep: &[f32; MAX_GROUPS]) -> f32 {
+        let quant = self.quant;
+        let params = row.add(quant.code_bytes(d));
+        let (mut acc, mut bias) = (_mm512_setzero_ps(), 0f32);
+        for (g, sum) in prep.iter().enumerate().take(d / quant.group) {
+            let mut codes_dot = _mm512_setzero_ps();
+            for i in (g * quant.group..(g + 1) * quant.group).step_by(16) {
+                codes_dot = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(i)), _mm512_cvtepi32_ps(self.codes16(row, i)), codes_dot);
+            }
+            let sb = _mm_cvtph_ps(_mm_cvtsi32_si128((params.add(4 * g) as *const i32).read_unaligned()));
+            acc = _mm512_fmadd_ps(codes_dot, _mm512_broadcastss_ps(sb), acc);
+            bias += _mm_cvtss_f32(_mm_movehdup_ps(sb)) * sum;
+        }
+        _mm512_reduce_add_ps(acc) + bias
+    }
     #[inline(always)]
     fn row_at(&self, head: usize, token: usize, _d: usize) -> *const u8 {
         self.row(head, token).as_ptr()
     }
+    /// The 64 values with each group's scale and bias widened once (not per 16 values).
+    #[inline(always)]
+    unsafe fn load64(&self, row: *const u8, col: usize) -> [__m512; 4] {
+        let q = self.quant;
+        let params = row.add(q.code_bytes(self.d));
+        let mut out = [_mm512_setzero_ps(); 4];
+        let mut group = usize::MAX;
+        let (mut scale, mut bias) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        for (k, o) in out.iter_mut().enumerate() {
+            let c = col + 16 * k;
+            if c / q.group != group {
+                group = c / q.group;
+                let sb = _mm_cvtph_ps(_mm_cvtsi32_si128((params.add(4 * group) as *const i32).read_unaligned()));
+                (scale, bias) = (_mm512_broadcastss_ps(sb), _mm512_broadcastss_ps(_mm_movehdup_ps(sb)));
+            }
+            *o = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(self.codes16(row, c)), scale), bias);
+        }
+        out
+    }
+
     #[inline(always)]
     unsafe fn load16(&self, row: *const u8, col: usize) -> __m512 {
         let q = self.quant;
-        let codes = if q.bits == 8 {
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(row.add(col) as *const __m128i))
-        } else {
-            // 4 bits: the 32-value block's 16 bytes; low nibbles are its first 16 values.
-            let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(row.add(col / 32 * 16) as *const __m128i));
-            if col % 32 == 0 {
-                _mm512_and_si512(bytes, _mm512_set1_epi32(0xf))
-            } else {
-                _mm512_srli_epi32::<4>(bytes)
-            }
-        };
+        let codes = self.codes16(row, col);
         // Scale and bias (two f16) of the group holding `col`, widened together.
         let at = q.code_bytes(self.d) + col / q.group * 4;
         let sb = _mm_cvtph_ps(_mm_cvtsi32_si128((row.add(at) as *const i32).read_unaligned()));
@@ -255,13 +343,9 @@ unsafe fn item_avx512<R: Rows>(c: &DecodeCall<R>, h: usize, lo: usize, hi: usize
         let qg = q[g * d..].as_ptr();
         let row = &mut scores[g * n..(g + 1) * n];
         let mut max = f32::NEG_INFINITY;
+        let prep = c.k.prepare_query(&q[g * d..(g + 1) * d]);
         for (j, s) in row.iter_mut().enumerate() {
-            let kr = c.k.row_at(h, lo + j, d);
-            let mut acc = _mm512_setzero_ps();
-            for i in (0..d).step_by(16) {
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg.add(i)), c.k.load16(kr, i), acc);
-            }
-            let mut x = _mm512_reduce_add_ps(acc) * c.scale;
+            let mut x = c.k.dot(c.k.row_at(h, lo + j, d), qg, d, &prep) * c.scale;
             if let Some(cap) = c.softcap {
                 x = (x / cap).tanh() * cap;
             }
@@ -314,7 +398,7 @@ unsafe fn values<R: Rows, const G: usize>(c: &DecodeCall<R>, h: usize, lo: usize
     let mut acc = [[_mm512_setzero_ps(); 4]; G];
     for j in 0..n {
         let vr = c.v.row_at(h, lo + j, d);
-        let v = [c.v.load16(vr, col), c.v.load16(vr, col + 16), c.v.load16(vr, col + 32), c.v.load16(vr, col + 48)];
+        let v = c.v.load64(vr, col);
         for (g, a) in acc.iter_mut().enumerate() {
             let w = _mm512_set1_ps(*p.get_unchecked((g0 + g) * n + j));
             for (ai, vi) in a.iter_mut().zip(v) {

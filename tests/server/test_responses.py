@@ -200,7 +200,7 @@ def test_codex_request_shape(server):
 
 @pytest.mark.parametrize("extra,param", [
     ({"background": True}, "background"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
+    ({"text": {"format": {"type": "grammar", "grammar": "x"}}}, "text.format"),
     ({"truncation": "auto"}, "truncation"),
     ({"tool_choice": {"type": "web_search"}}, "tool_choice"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),

@@ -94,7 +94,7 @@ GREETING = HISTORY + [{"role": "user", "content": "Say hello to me."}]
 
 
 def test_required_tool_choice_forces_a_call(client):
-    # The prompt ends inside an opened call, so the answer is a call of an offered tool.
+    # Constrained to the template's call format: the answer is a call of an offered tool.
     r = create(client, messages=GREETING, tool_choice="required")
     c = r.choices[0]
     assert c.finish_reason == "tool_calls", c.message
@@ -117,19 +117,30 @@ def test_named_tool_choice_forces_that_call(client):
     assert [tc.function.name for tc in c.message.tool_calls] == ["say_hello"]
 
 
-def test_forced_call_is_refused_where_it_cannot_be_opened():
+def test_forced_call_in_a_template_with_another_format():
+    """A template that reads tools but does not write <tool_call> blocks: the forced call is
+    Llama 3.x's bare JSON object, which the parser reads as a call."""
     from conftest import Server
     import httpx
-    # A template that reads tools but writes calls in another format.
     template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                 "{% if tools %}[TOOLS]{% endif %}<|im_start|>assistant\n")
     s = Server("--chat-template", template)
     try:
         r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
-            "messages": GREETING, "tools": TOOLS, "tool_choice": "required", "max_tokens": 4})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
-        r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
-            "messages": GREETING, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 4})
-        assert r.status_code == 200
+            "messages": GREETING, "tools": TOOLS, "tool_choice": "required", "max_tokens": 40})
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        assert c["finish_reason"] == "tool_calls", c
+        assert [tc["function"]["name"] for tc in c["message"]["tool_calls"]] == ["get_weather"]
+        assert "city" in json.loads(c["message"]["tool_calls"][0]["function"]["arguments"])
     finally:
         s.stop()
+
+
+def test_forced_call_after_a_prefill_is_refused(http):
+    r = http.post("/v1/messages", json={
+        "model": "m", "max_tokens": 20, "tools": [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}],
+        "tool_choice": {"type": "any"},
+        "messages": [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "Sure:"}]})
+    assert r.status_code == 400, r.text
+    assert "prefilled" in r.json()["error"]["message"]

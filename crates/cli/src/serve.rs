@@ -70,6 +70,10 @@ pub struct Args {
     /// Log each request's prompt text in its log line (never logged otherwise).
     #[arg(long)]
     log_prompts: bool,
+    /// Structured output: sample the tokens a grammar forces one at a time instead of
+    /// appending them unsampled (jump-forward; the output is the same under greedy decoding).
+    #[arg(long)]
+    no_jump_forward: bool,
     /// Log lines as text or as JSON objects, one per line.
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,
@@ -368,6 +372,7 @@ pub fn run(args: Args) -> CliResult<()> {
         http,
         access,
         log_prompts: args.log_prompts,
+        jump_forward: !args.no_jump_forward,
         ..Default::default()
     };
     let mut engine_config = args.engine_config(&bundle.path)?;

@@ -5,6 +5,7 @@ use ferrolm_models::loader::ProgressFn;
 use ferrolm_models::{paths, CausalLm, GenerationConfig, ModelSource};
 use ferrolm_text::{ChatTemplate, RenderOptions, Tokenizer, TokenizerSpec};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Why a model could not be loaded; the message names the file and the problem.
 #[derive(Debug, thiserror::Error)]
@@ -16,7 +17,8 @@ pub struct Bundle {
     /// Name under which the model is served (the file name without extension).
     pub name: String,
     pub model: Box<dyn CausalLm>,
-    pub tokenizer: Tokenizer,
+    /// Shared: the grammar compiler (structured output) holds it too.
+    pub tokenizer: Arc<Tokenizer>,
     pub template: Option<ChatTemplate>,
     /// The tokenizer's EOS ids plus `generation_config.json`'s `eos_token_id`s.
     pub eos_ids: Vec<u32>,
@@ -98,7 +100,7 @@ pub fn load_with_progress(
         path,
         name,
         model,
-        tokenizer,
+        tokenizer: Arc::new(tokenizer),
         template,
         eos_ids,
         generation,

@@ -38,3 +38,26 @@ impl TokenConstraint for ferrolm_grammar::Constraint {
         self.status() == ferrolm_grammar::Status::Accepted
     }
 }
+
+/// A constraint with jump-forward off (`"jump_forward": false`, `--no-jump-forward`): the
+/// tokens it forces are sampled one at a time under its masks, which allow only the forced
+/// token (llguidance masks a forced position down to it), so greedy output is the same.
+pub struct NoJumpForward<C>(pub C);
+
+impl<C: TokenConstraint> TokenConstraint for NoJumpForward<C> {
+    fn mask(&mut self) -> Result<Vec<u32>, String> {
+        self.0.mask()
+    }
+
+    fn consume(&mut self, token: TokenId) -> Result<(), String> {
+        self.0.consume(token)
+    }
+
+    fn forced(&mut self) -> Vec<TokenId> {
+        Vec::new()
+    }
+
+    fn is_finished(&self) -> bool {
+        self.0.is_finished()
+    }
+}

@@ -37,6 +37,9 @@ pub struct ServerConfig {
     pub access: AccessConfig,
     /// `--log-prompts`: the prompt's text in each request's log line.
     pub log_prompts: bool,
+    /// Structured output appends the tokens a grammar forces without sampling them
+    /// (`--no-jump-forward` turns that off; a request's `jump_forward` overrides).
+    pub jump_forward: bool,
 }
 
 impl Default for ServerConfig {
@@ -54,6 +57,7 @@ impl Default for ServerConfig {
             http: HttpLimits::default(),
             access: AccessConfig::default(),
             log_prompts: false,
+            jump_forward: true,
         }
     }
 }

@@ -74,9 +74,15 @@ pub fn prepare(state: &SharedState, specs: &mut [GenerationSpec], log: &RequestL
     }
     let model = &store.settings().model;
     let identity = identity(model, spec);
-    let key = match log.idempotency_key() {
-        Some(k) => hex(&Sha256::digest(format!("idempotency-key\0{k}").as_bytes())[..16]),
-        None => identity.clone(),
+    let key = match (log.idempotency_key(), spec.params.sampling.seed) {
+        (Some(k), _) => hex(&Sha256::digest(format!("idempotency-key\0{k}").as_bytes())[..16]),
+        (None, Some(_)) => identity.clone(),
+        // Without a key, a resent unseeded request cannot be told from a client asking for
+        // another sample (a "regenerate"): it must not continue someone's earlier draw.
+        (None, None) => {
+            tracing::debug!("checkpoint: an unseeded request without an Idempotency-Key is not durable");
+            return Ok(None);
+        }
     };
     let Some(claim) = store.claim(&key) else {
         tracing::warn!("checkpoint {key}: already running in this server; this request runs without checkpoints");

@@ -21,6 +21,7 @@ pub struct GenerationSpec {
     pub params: GenerateParams,
     pub pipeline: PipelineConfig,
     pub logprobs: LogprobsMode,
+    pub constraint: Option<Box<dyn ferrolm_engine::TokenConstraint>>,
 }
 
 /// How a generation ended.
@@ -79,7 +80,7 @@ impl Generation {
         let mut rest = Vec::with_capacity(specs.len());
         for spec in specs {
             let cancel = CancelToken::new();
-            requests.push(Request { prompt: spec.prompt, params: spec.params, cancel: cancel.clone(), constraint: None });
+            requests.push(Request { prompt: spec.prompt, params: spec.params, cancel: cancel.clone(), constraint: spec.constraint });
             rest.push((cancel, spec.pipeline, spec.logprobs));
         }
         let (receivers, mut done) = crate::durable::submit(state, requests, planned).map_err(|e| match e {

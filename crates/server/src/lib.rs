@@ -21,6 +21,7 @@ mod responses;
 mod routes;
 pub mod state;
 mod stream;
+mod structured;
 
 pub use config::ServerConfig;
 pub use routes::router;

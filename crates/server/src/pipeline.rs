@@ -43,9 +43,6 @@ pub struct PipelineConfig {
     /// Drop one space at the very start of the output, as mlx-lm's detokenizers do (a chat
     /// answer's first token is often " Hello"; SentencePiece pieces start with "▁").
     pub trim_leading_space: bool,
-    /// Output the prompt already wrote for the model (a forced tool call's `<tool_call>\n`):
-    /// the tool-call parser reads it first, as if generated.
-    pub tool_prefix: Option<String>,
 }
 
 pub struct TextPipeline {
@@ -64,14 +61,7 @@ impl TextPipeline {
             decoder: IncrementalDecoder::new(true),
             stop: StopMatcher::new(cfg.stops),
             reasoning: cfg.reasoning.map(|(s, e, inside)| ReasoningSplitter::new(s, e, inside)),
-            tools: cfg.tools.map(|specs| {
-                let mut parser = ToolCallParser::new(specs);
-                if let Some(prefix) = &cfg.tool_prefix {
-                    // Only an opened block: nothing is decided yet.
-                    parser.push(prefix);
-                }
-                parser
-            }),
+            tools: cfg.tools.map(ToolCallParser::new),
             finished: false,
             at_start: cfg.trim_leading_space,
         }

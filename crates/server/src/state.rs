@@ -21,7 +21,7 @@ pub struct AppState {
     pub template_has_tools: bool,
     /// Whether tool calls are written as `<tool_call>…</tool_call>` (Hermes / Qwen): the
     /// template says so, or it ignores tools and they are described in that format. A forced
-    /// call (`tool_choice: required`) opens such a block for the model.
+    /// call (`tool_choice: required`) is constrained to that format, else to a bare JSON call.
     pub tool_call_tags: bool,
     /// Finished Responses API responses kept for `previous_response_id` and GET.
     pub responses: ResponseStore,
@@ -31,6 +31,9 @@ pub struct AppState {
     pub durable: crate::durable::Durability,
     /// Unknown request fields already warned about (one warning per name).
     pub warned_fields: crate::protocol::fields::WarnedFields,
+    /// Structured output's compiler for this model, built on first use (a token trie over the
+    /// vocabulary: 0.1–1 s), or why the model cannot have it.
+    grammars: std::sync::OnceLock<Result<ferrolm_grammar::Grammars, String>>,
 }
 
 pub type SharedState = Arc<AppState>;
@@ -56,7 +59,18 @@ impl AppState {
             embed_gate: Arc::new(tokio::sync::Semaphore::new(1)),
             durable: Default::default(),
             warned_fields: Default::default(),
+            grammars: Default::default(),
         }
+    }
+
+    /// The constraint compiler (blocking the first time: call it off the HTTP workers).
+    pub fn grammars(&self) -> Result<&ferrolm_grammar::Grammars, String> {
+        let build = || {
+            let bundle = self.bundle();
+            let width = bundle.model.info().vocab_size;
+            ferrolm_grammar::Grammars::new(bundle.tokenizer.clone(), &bundle.eos_ids, width).map_err(|e| e.to_string())
+        };
+        self.grammars.get_or_init(build).as_ref().map_err(Clone::clone)
     }
 
     pub fn bundle(&self) -> &Arc<Bundle> {

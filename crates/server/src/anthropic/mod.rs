@@ -63,7 +63,7 @@ async fn run(state: &SharedState, body: Bytes, log: &RequestLog) -> ApiResult<Re
     let p = chat::prepare_parsed(state, parsed.common, parsed.chat).await?;
     let prompt_tokens = p.prompt.len();
     let stream = p.common.stream;
-    let mut gen = launch(state, &body, &p.common, p.prompt, p.max_tokens, p.pipeline, log)?;
+    let mut gen = launch(state, &body, p, log)?;
     if stream {
         let (first, encoder) = stream::start(&id, model, prompt_tokens, hide_thinking);
         let keepalive = Duration::from_secs_f64(state.config.keepalive_secs);

@@ -10,8 +10,8 @@
 //! `max_tokens: 0` (Anthropic's cache warm-up) answers at once with no output. `cache_control`,
 //! `metadata`, `citations`, `output_config.effort` and other annotations are accepted and have
 //! no effect; blocks and fields that would change the answer and are not implemented (images,
-//! documents, server tools, MCP servers, code-execution containers, structured output) are
-//! refused with a 400.
+//! documents, server tools, MCP servers, code-execution containers) are refused with a 400.
+//! Structured outputs (`output_config.format`) become the chat body's `response_format`.
 
 use super::tools;
 use crate::errors::{ApiError, ApiResult};
@@ -48,6 +48,9 @@ pub fn translate(body: &Map<String, Value>, count_only: bool) -> ApiResult<Trans
     if let Some(kw) = thinking(body.get("thinking"))? {
         chat.insert("chat_template_kwargs".into(), kw);
     }
+    if let Some(format) = output_format(body)? {
+        chat.insert("response_format".into(), format);
+    }
     let no_output = sampling(body, count_only, &mut chat)?;
     let display = body.get("thinking").and_then(|t| t.get("display")).and_then(Value::as_str);
     Ok(Translated { chat, prefill, no_output, hide_thinking: display == Some("omitted") })
@@ -65,10 +68,22 @@ fn refuse_unimplemented(body: &Map<String, Value>) -> ApiResult<()> {
             return Err(invalid(format!("{field}: not supported by this server")));
         }
     }
-    if body.get("output_config").and_then(|c| c.get("format")).is_some_and(|f| !f.is_null()) {
-        return Err(invalid("output_config.format: structured outputs are not supported by this server".into()));
-    }
     Ok(())
+}
+
+/// Structured outputs, `output_config.format: {"type": "json_schema", "schema": …}`, as the
+/// chat body's `response_format`.
+fn output_format(body: &Map<String, Value>) -> ApiResult<Option<Value>> {
+    let Some(format) = body.get("output_config").and_then(|c| c.get("format")).filter(|f| !f.is_null()) else {
+        return Ok(None);
+    };
+    match (format.get("type").and_then(Value::as_str), format.get("schema")) {
+        (Some("json_schema"), Some(schema)) => {
+            Ok(Some(json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}})))
+        }
+        (Some("json_schema"), None) => Err(invalid("output_config.format.schema: Field required".into())),
+        _ => Err(invalid("output_config.format.type: Input should be 'json_schema'".into())),
+    }
 }
 
 /// Text of a string or a list of text blocks (joined by newlines); `what` names the field.
@@ -403,8 +418,8 @@ mod tests {
                 "mcp_servers: not supported by this server",
             ),
             (
-                json!({"max_tokens": 1, "messages": user, "output_config": {"format": {"type": "json_schema", "schema": {}}}}),
-                "output_config.format: structured outputs are not supported by this server",
+                json!({"max_tokens": 1, "messages": user, "output_config": {"format": {"type": "json_schema"}}}),
+                "output_config.format.schema: Field required",
             ),
             (
                 json!({"max_tokens": 1, "messages": user, "tool_choice": {"type": "sometimes"}}),

@@ -21,9 +21,11 @@ pub struct ChatRequest {
     /// clients ask for what their own models allow: Claude Code sends 32,000 whatever the
     /// context); false: a request beyond the context is a 400, as in mlx_lm.server.
     pub cap_max_tokens: bool,
-    /// `tool_choice` `required` or a named function: the answer must be a tool call (the
-    /// prompt then ends inside an opened call; see `routes::prompt`).
+    /// `tool_choice` `required` or a named function: the answer must be a tool call (a
+    /// constraint; see `crate::structured::for_tools`).
     pub force_tool_call: Option<ForcedCall>,
+    /// OpenAI's `parallel_tool_calls` (default true): `required` may make several calls.
+    pub parallel_tool_calls: bool,
 }
 
 /// A tool call the answer must be.
@@ -44,7 +46,21 @@ pub fn parse_chat(
     let (tools, force_tool_call) = parse_tools(body)?;
     let tool_specs = tools.iter().filter_map(ToolSpec::from_openai).collect();
     let template_kwargs = template_kwargs(body, server_args, has_thinking)?;
-    Ok(ChatRequest { messages, tools, tool_specs, template_kwargs, prefill: None, cap_max_tokens: false, force_tool_call })
+    let parallel_tool_calls = match body.get("parallel_tool_calls") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ApiError::invalid("parallel_tool_calls must be of type bool", Some("parallel_tool_calls"))),
+    };
+    Ok(ChatRequest {
+        messages,
+        tools,
+        tool_specs,
+        template_kwargs,
+        prefill: None,
+        cap_max_tokens: false,
+        force_tool_call,
+        parallel_tool_calls,
+    })
 }
 
 fn parse_messages(body: &Map<String, Value>) -> ApiResult<Vec<Value>> {

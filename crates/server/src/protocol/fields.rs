@@ -40,7 +40,10 @@ macro_rules! sampling {
           "repetition_penalty", "repetition_context_size", "presence_penalty", "presence_context_size",
           "frequency_penalty", "frequency_context_size", "xtc_probability", "xtc_threshold",
           "logit_bias", "seed", "stop", "logprobs", "top_logprobs", "n", "num_draft_tokens",
-          "x_ferrolm_fault", $($extra),*]
+          "speculative", "x_ferrolm_fault",
+          // Structured output (crate::structured).
+          "response_format", "json_schema", "guided_json", "guided_regex", "guided_grammar", "guided_choice",
+          "structured_outputs", "jump_forward", $($extra),*]
     };
 }
 
@@ -54,13 +57,16 @@ fn null_or_empty(v: &Value) -> bool {
 
 pub const CHAT: Schema = Schema {
     endpoint: "/v1/chat/completions",
-    honoured: sampling!["messages", "max_completion_tokens", "tools", "tool_choice", "chat_template_kwargs", "reasoning_effort"],
+    honoured: sampling![
+        "messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+        "reasoning_effort"
+    ],
     no_meaning: &[
-        "model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+        "model", "user", "metadata", "store", "service_tier", "prompt_cache_key",
         "prompt_cache_options", "prompt_cache_retention", "safety_identifier", "prediction",
     ],
     refused: &[
-        Refusal { field: "response_format", allows: |v| v.is_null() || v.get("type").and_then(Value::as_str) == Some("text"), what: "structured output (JSON mode, JSON schema)" },
+        GBNF,
         Refusal { field: "audio", allows: null, what: "audio output" },
         Refusal { field: "modalities", allows: |v| v.is_null() || v == &serde_json::json!(["text"]), what: "output modalities other than text" },
         Refusal { field: "functions", allows: null_or_empty, what: "the deprecated `functions` (use `tools`)" },
@@ -76,7 +82,14 @@ pub const COMPLETIONS: Schema = Schema {
     // echo, suffix and best_of are refused by the endpoint for the values it cannot honour.
     honoured: sampling!["prompt", "echo", "suffix", "best_of"],
     no_meaning: &["model", "user"],
-    refused: &[],
+    refused: &[GBNF],
+};
+
+/// llama-server's `grammar` (GBNF); structured output takes Lark (`guided_grammar`).
+const GBNF: Refusal = Refusal {
+    field: "grammar",
+    allows: null,
+    what: "a GBNF grammar (use guided_grammar with a Lark grammar, or response_format / guided_json / guided_regex)",
 };
 
 pub const EMBEDDINGS: Schema = Schema {
@@ -172,8 +185,9 @@ mod tests {
         let warned = WarnedFields::default();
         let body = |v: Value| v.as_object().unwrap().clone();
         assert!(CHAT.check(&body(json!({"messages": [], "user": "u", "response_format": {"type": "text"}})), &log, &warned).is_ok());
-        let e = CHAT.check(&body(json!({"response_format": {"type": "json_object"}})), &log, &warned).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("response_format"));
+        assert!(CHAT.check(&body(json!({"response_format": {"type": "json_object"}})), &log, &warned).is_ok());
+        let e = CHAT.check(&body(json!({"grammar": "root ::= \"x\""})), &log, &warned).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("grammar"));
         assert!(CHAT.check(&body(json!({"brand_new_field": 1})), &log, &warned).is_ok());
         assert_eq!(warned.0.lock().unwrap().len(), 1);
         for s in [&CHAT, &COMPLETIONS, &EMBEDDINGS, &MESSAGES, &RESPONSES] {

@@ -32,6 +32,11 @@ pub struct CommonParams {
     /// ferrolm's `speculative`: false keeps the server's speculative decoding off for this
     /// request (the output is the same either way; only speed differs).
     pub speculative: bool,
+    /// Structured output the request asks for (`response_format`, vLLM's `guided_*`…).
+    pub constraint: Option<crate::structured::Requested>,
+    /// ferrolm's `jump_forward` (default `--no-jump-forward`'s opposite): tokens a constraint
+    /// forces are appended without sampling.
+    pub jump_forward: bool,
 }
 
 /// Fields that carry the prompt, never read by the sampling parser.
@@ -86,6 +91,8 @@ pub fn parse_common(body: &Map<String, Value>, cfg: &ServerConfig, vocab_size: u
         logprobs,
         n: choices(body)?,
         speculative: flag(body, "speculative", true)?,
+        constraint: crate::structured::from_body(body)?,
+        jump_forward: flag(body, "jump_forward", cfg.jump_forward)?,
     })
 }
 

@@ -78,7 +78,7 @@ async fn run(state: &SharedState, body: Bytes, log: &RequestLog) -> ApiResult<Re
     let p = chat::prepare(state, &t.chat).await?;
     conversation.extend(t.input);
     let stream = p.common.stream;
-    let mut gen = launch(state, &body, &p.common, p.prompt, p.max_tokens, p.pipeline, log)?;
+    let mut gen = launch(state, &body, p, log)?;
     let id = response::id("resp");
     let mut object = response::skeleton(&id, &state.config.model_id, &body);
     if stream {

@@ -44,6 +44,9 @@ pub fn translate(body: &Map<String, Value>, history: &[Value]) -> ApiResult<Tran
     if let Some(choice) = tool_choice(body.get("tool_choice"))? {
         chat.insert("tool_choice".into(), choice);
     }
+    if let Some(format) = text_format(body)? {
+        chat.insert("response_format".into(), format);
+    }
     if let Some(effort) = body.get("reasoning").and_then(|r| r.get("effort")).filter(|e| !e.is_null()) {
         chat.insert("reasoning_effort".into(), effort.clone());
     }
@@ -78,11 +81,29 @@ fn refuse_unimplemented(body: &Map<String, Value>) -> ApiResult<()> {
     if body.get("top_logprobs").and_then(Value::as_u64).is_some_and(|n| n > 0) {
         return refuse("top_logprobs");
     }
-    let format = body.get("text").and_then(|t| t.get("format")).and_then(|f| f.get("type"));
-    if format.and_then(Value::as_str).is_some_and(|t| t != "text") {
-        return Err(invalid("text.format: only 'text' is supported by this server", "text.format"));
-    }
     Ok(())
+}
+
+/// Structured output, `text.format` (`json_schema` with its name, schema and strict, or
+/// `json_object`), as the chat body's `response_format`; `text` asks for nothing.
+fn text_format(body: &Map<String, Value>) -> ApiResult<Option<Value>> {
+    let Some(format) = body.get("text").and_then(|t| t.get("format")).filter(|f| !f.is_null()) else {
+        return Ok(None);
+    };
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(json!({"type": "json_object"}))),
+        Some("json_schema") => {
+            let mut inner = Map::new();
+            for key in ["name", "description", "schema", "strict"] {
+                if let Some(v) = format.get(key) {
+                    inner.insert(key.into(), v.clone());
+                }
+            }
+            Ok(Some(json!({"type": "json_schema", "json_schema": inner})))
+        }
+        _ => Err(invalid("text.format.type must be 'text', 'json_object' or 'json_schema'", "text.format")),
+    }
 }
 
 fn input_items(v: Option<&Value>) -> ApiResult<Vec<Value>> {
@@ -265,10 +286,21 @@ mod tests {
     }
 
     #[test]
+    fn text_format_becomes_response_format() {
+        let schema = json!({"type": "object"});
+        let body = json!({"input": "x", "text": {"format": {"type": "json_schema", "name": "o", "schema": schema, "strict": true}}});
+        let t = translate(body.as_object().unwrap(), &[]).unwrap();
+        let expected = json!({"type": "json_schema", "json_schema": {"name": "o", "schema": schema, "strict": true}});
+        assert_eq!(t.chat["response_format"], expected);
+        let body = json!({"input": "x", "text": {"format": {"type": "text"}}});
+        assert!(translate(body.as_object().unwrap(), &[]).unwrap().chat.get("response_format").is_none());
+    }
+
+    #[test]
     fn unimplemented_fields_are_refused() {
         let cases = [
             (json!({"input": "x", "background": true}), "background"),
-            (json!({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}), "text.format"),
+            (json!({"input": "x", "text": {"format": {"type": "xml"}}}), "text.format"),
             (json!({"input": "x", "truncation": "auto"}), "truncation"),
             (json!({"input": "x", "conversation": "conv_1"}), "conversation"),
             (json!({"input": "x", "top_logprobs": 2}), "top_logprobs"),

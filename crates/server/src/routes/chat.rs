@@ -8,7 +8,9 @@ use crate::choices::UsageSum;
 use crate::errors::ApiResult;
 use crate::pipeline::PipelineConfig;
 use crate::http::log::RequestLog;
-use crate::protocol::chat::{parse_chat, ChatRequest};
+use crate::errors::ApiError;
+use crate::protocol::chat::{parse_chat, ChatRequest, ForcedCall};
+use crate::structured::{self, Requested};
 use crate::protocol::fields;
 use crate::protocol::logprobs;
 use crate::protocol::request::{parse_body_async, parse_common, CommonParams};
@@ -46,11 +48,20 @@ pub(crate) async fn prepare_parsed(
 ) -> ApiResult<Prepared> {
     let context = state.context_length();
     let tool_specs = chat.tool_specs.clone();
-    // A prefilled answer (or a forced call's opening) goes on from its last character: no space
-    // is trimmed.
-    let trim_leading_space = chat.prefill.is_none() && chat.force_tool_call.is_none();
+    // A prefilled answer goes on from its last character: no space is trimmed.
+    let trim_leading_space = chat.prefill.is_none();
     let cap = chat.cap_max_tokens;
+    let requested = constraint_of(state, &common, &chat)?;
     let prompt = prompt::chat(state, chat).await?;
+    if requested.is_some() && prompt.opens_reasoning {
+        let msg = "structured output cannot follow a prompt that opens the model's reasoning: turn thinking off \
+                   (chat_template_kwargs: {\"enable_thinking\": false})";
+        return Err(ApiError::invalid(msg, requested.as_ref().map(|r| r.field)));
+    }
+    let constraint = match requested {
+        Some(r) => Some(structured::compile(state, r).await?),
+        None => None,
+    };
     let (budget, len) = (state.config.max_tokens, prompt.ids.len());
     let requested = common.max_tokens.map(|n| if cap { n.min(context.saturating_sub(len).max(1)) } else { n });
     let max_tokens = token_budget(len, requested, budget, context, "messages")?;
@@ -59,9 +70,30 @@ pub(crate) async fn prepare_parsed(
         reasoning: (state.think_tags.clone()).map(|(s, e)| (s, e, prompt.opens_reasoning)),
         tools: (!tool_specs.is_empty()).then_some(tool_specs),
         trim_leading_space,
-        tool_prefix: prompt.tool_prefix,
     };
-    Ok(Prepared { common, prompt: prompt.ids, max_tokens, pipeline })
+    Ok(Prepared { common, prompt: prompt.ids, max_tokens, pipeline, constraint })
+}
+
+/// The request's constraint: its structured-output field, or the forced tool call of
+/// `tool_choice` (`required` / a named function: a call in the template's format, arguments
+/// valid under the tool's schema). Both at once, or a forced call after a prefilled answer,
+/// are refused.
+fn constraint_of(state: &SharedState, common: &CommonParams, chat: &ChatRequest) -> ApiResult<Option<Requested>> {
+    let Some(forced) = &chat.force_tool_call else {
+        return Ok(common.constraint.clone());
+    };
+    let refuse = |why: &str| Err(ApiError::invalid(format!("tool_choice: a forced tool call {why}"), Some("tool_choice")));
+    if let Some(other) = &common.constraint {
+        return refuse(&format!("cannot be combined with {}", other.field));
+    }
+    if chat.prefill.is_some() {
+        return refuse("cannot follow a prefilled answer");
+    }
+    let named = match forced {
+        ForcedCall::Any => None,
+        ForcedCall::Named(name) => Some(name.clone()),
+    };
+    Ok(Some(structured::for_tools(chat.tool_specs.clone(), named, state.tool_call_tags, chat.parallel_tool_calls)))
 }
 
 async fn run(state: &SharedState, body: Bytes, log: &RequestLog) -> ApiResult<Response> {

@@ -32,13 +32,17 @@ async fn run(state: &SharedState, body: Bytes, log: &RequestLog) -> ApiResult<Re
     let common = parse_common(&body, &state.config, vocab_size)?;
     refuse_unsupported(&body, common.n)?;
     let prompts = prompt::text(state, body.remove("prompt")).await?;
+    let constraint = match common.constraint.clone() {
+        Some(r) => Some(crate::structured::compile(state, r).await?),
+        None => None,
+    };
     let (budget, context) = (state.config.max_tokens, state.context_length());
     let mut runs = Vec::with_capacity(prompts.len());
     let mut prompt_chars = Vec::with_capacity(prompts.len());
     for p in prompts {
         let max_tokens = token_budget(p.ids.len(), common.max_tokens, budget, context, "prompt")?;
         let pipeline = PipelineConfig { stops: common.stop.clone(), ..Default::default() };
-        runs.push(Prepared { common: common.clone(), prompt: p.ids, max_tokens, pipeline });
+        runs.push(Prepared { common: common.clone(), prompt: p.ids, max_tokens, pipeline, constraint: constraint.clone() });
         prompt_chars.push(p.chars);
     }
     let legacy_chars = legacy.then_some(prompt_chars);

@@ -143,44 +143,43 @@ enum Started {
 }
 
 /// Queues one generation (429 when the queue is full): the part every protocol shares.
-pub(crate) fn launch(
-    state: &SharedState,
-    body: &Map<String, Value>,
-    common: &CommonParams,
-    prompt: Vec<u32>,
-    max_tokens: usize,
-    pipeline: PipelineConfig,
-    log: &RequestLog,
-) -> ApiResult<Generation> {
-    let mut one = launch_group(state, body, common, 1, (prompt, max_tokens, pipeline), log)?;
+pub(crate) fn launch(state: &SharedState, body: &Map<String, Value>, run: Prepared, log: &RequestLog) -> ApiResult<Generation> {
+    let mut one = launch_group(state, body, 1, run, log)?;
     Ok(one.pop().expect("one generation"))
 }
 
 /// Queues `n` choices of one prompt; the engine computes the prompt once. Choice i samples
 /// with `seed + i` when the request gives a seed, so it equals a one-choice request with that
-/// seed (and the choices differ).
+/// seed (and the choices differ); each has its own copy of the constraint.
 fn launch_group(
     state: &SharedState,
     body: &Map<String, Value>,
-    common: &CommonParams,
     n: usize,
-    (mut prompt, max_tokens, pipeline): (Vec<u32>, usize, PipelineConfig),
+    mut run: Prepared,
     log: &RequestLog,
 ) -> ApiResult<Vec<Generation>> {
     if injected_fault(state, body).as_deref() == Some("engine") {
-        prompt.clear();
+        run.prompt.clear();
     }
+    let common = &run.common;
     let spec = |i: usize| {
         let mut sampling = common.sampling.clone();
         sampling.seed = sampling.seed.map(|s| s.wrapping_add(i as u64));
         let params = ferrolm_core::GenerateParams {
-            max_tokens,
+            max_tokens: run.max_tokens,
             sampling,
             prefill_chunk: state.config.prefill_chunk,
             speculative: common.speculative,
             ..Default::default()
         };
-        GenerationSpec { prompt: prompt.clone(), params, pipeline: pipeline.clone(), logprobs: common.logprobs }
+        let constraint = run.constraint.clone().map(|c| crate::structured::for_engine(c, common.jump_forward));
+        GenerationSpec {
+            prompt: run.prompt.clone(),
+            params,
+            pipeline: run.pipeline.clone(),
+            logprobs: common.logprobs,
+            constraint,
+        }
     };
     Generation::start_group(state, (0..n).map(spec).collect(), log)
 }
@@ -201,7 +200,7 @@ fn start(
     };
     let mut gens = Vec::with_capacity(runs.len() * common.n);
     for run in runs {
-        gens.extend(launch_group(state, body, &common, common.n, (run.prompt, run.max_tokens, run.pipeline), log)?);
+        gens.extend(launch_group(state, body, common.n, run, log)?);
     }
     let prefix = match kind {
         Kind::Chat => "chatcmpl",
@@ -234,6 +233,8 @@ pub(crate) struct Prepared {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
     pub pipeline: PipelineConfig,
+    /// Structured output: the compiled constraint every choice starts from.
+    pub constraint: Option<ferrolm_grammar::Constraint>,
 }
 
 /// A whole generation: all its output, why it ended, its usage and the stop string that ended it.

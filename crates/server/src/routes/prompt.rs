@@ -7,7 +7,7 @@
 //! template's scaffold makes control tokens (`ferrolm_text::Tokenizer::protect`).
 
 use crate::errors::{ApiError, ApiResult};
-use crate::protocol::chat::{convert_chat, ChatRequest, ForcedCall};
+use crate::protocol::chat::{convert_chat, ChatRequest};
 use crate::protocol::tools;
 use crate::state::SharedState;
 use ferrolm_text::{EncodeError, ReasoningSplitter, RenderOptions, Tokenizer};
@@ -19,8 +19,6 @@ pub struct ChatPrompt {
     pub ids: Vec<u32>,
     /// Whether the rendered prompt leaves the model inside an open `<think>`.
     pub opens_reasoning: bool,
-    /// A forced tool call: the opening the prompt ends with (the parser must read it too).
-    pub tool_prefix: Option<String>,
 }
 
 pub async fn chat(state: &SharedState, chat: ChatRequest) -> ApiResult<ChatPrompt> {
@@ -52,42 +50,15 @@ fn render_chat(state: &SharedState, chat: ChatRequest) -> ApiResult<ChatPrompt> 
         }
         None => (convert_chat(&messages), true),
     };
-    let tool_prefix = forced_call_opening(state, chat.force_tool_call.as_ref(), chat.prefill.is_some())?;
-    let text = match (chat.prefill, &tool_prefix) {
-        (Some(prefill), _) => text + &tk.protect(&prefill),
-        // The opening may hold a client's tool name: protected like any client text.
-        (None, Some(open)) => text + &tk.protect(open),
-        (None, None) => text,
+    let text = match chat.prefill {
+        Some(prefill) => text + &tk.protect(&prefill),
+        None => text,
     };
     let context = state.context_length();
     let ids = tk.encode_prompt(&text, add_special, context.saturating_sub(1)).map_err(|e| too_long(e, context, "messages"))?;
     let opens_reasoning =
         state.think_tags.as_ref().is_some_and(|(s, e)| ReasoningSplitter::prompt_opens_reasoning(&text, s, e));
-    Ok(ChatPrompt { ids, opens_reasoning, tool_prefix })
-}
-
-/// `tool_choice` `required` or a named function: the answer starts as an opened `<tool_call>`
-/// block in the Hermes format (`{"name": …, "arguments": …}`), up to the name for `required`
-/// (the model picks the tool) and up to the arguments for a named function (the model writes
-/// them). Refused where ferrolm cannot open a call: a template with another tool-call format,
-/// or a prefilled answer.
-fn forced_call_opening(state: &SharedState, forced: Option<&ForcedCall>, prefilled: bool) -> ApiResult<Option<String>> {
-    let Some(forced) = forced else { return Ok(None) };
-    let refuse = |why: &str| Err(ApiError::invalid(format!("tool_choice: a forced tool call is not supported {why}"), Some("tool_choice")));
-    if prefilled {
-        return refuse("after a prefilled answer");
-    }
-    if !state.tool_call_tags {
-        return refuse("for this model's chat template (its tool calls are not <tool_call> blocks)");
-    }
-    let open = ferrolm_text::toolcall::TOOL_CALL_START;
-    Ok(Some(match forced {
-        ForcedCall::Any => format!("{open}\n{{\"name\": \""),
-        ForcedCall::Named(name) => {
-            let name = serde_json::to_string(name).unwrap_or_else(|_| "\"\"".into());
-            format!("{open}\n{{\"name\": {name}, \"arguments\": ")
-        }
-    }))
+    Ok(ChatPrompt { ids, opens_reasoning })
 }
 
 /// One prompt of `/v1/completions`: its ids, and its length in characters (where the legacy

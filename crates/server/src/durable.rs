@@ -130,19 +130,22 @@ pub fn submit(
 }
 
 /// Graceful shutdown: new generations get 503 + `Retry-After`; every running one writes what
-/// it emitted to its log, synced; at most `timeout` in all. Their clients' retries resume.
+/// it emitted to its log, synced; then the prompt cache's disk tier is flushed as at any
+/// shutdown; at most `timeout` in all (the engine answers between steps, so a step longer than
+/// that is not waited for). Their clients' retries resume.
 pub async fn drain(state: &SharedState, timeout: Duration) {
     state.durable.draining.store(true, Ordering::SeqCst);
     let Some(store) = state.durable.store.clone() else { return };
     let engine = state.engine.clone();
     let started = std::time::Instant::now();
-    let done = tokio::task::spawn_blocking(move || {
+    let work = tokio::task::spawn_blocking(move || {
         let answered = engine.checkpoint_all(timeout);
-        let left = timeout.saturating_sub(started.elapsed());
-        answered && store.flush(left)
-    })
-    .await
-    .unwrap_or(false);
+        let synced = answered && store.flush(timeout.saturating_sub(started.elapsed()));
+        engine.flush_prompt_cache(timeout.saturating_sub(started.elapsed()));
+        synced
+    });
+    // The blocking side may wait on a busy engine thread: the bound holds regardless.
+    let done = matches!(tokio::time::timeout(timeout, work).await, Ok(Ok(true)));
     let ms = started.elapsed().as_secs_f64() * 1e3;
     match done {
         true => eprintln!("ferrolm serve: running generations checkpointed in {ms:.1} ms"),

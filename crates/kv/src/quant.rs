@@ -174,6 +174,35 @@ mod tests {
         Ok(())
     }
 
+    /// The disk tier stores the quantized rows and reads them back, bit for bit, into a cache
+    /// of the same format; a cache of another format does not take the entry.
+    #[test]
+    fn quantized_rows_survive_the_disk_tier() -> Result<()> {
+        let dev = Device::Cpu;
+        let dir = std::env::temp_dir().join(format!("ferrolm-kvq-disk-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let q = KvQuant::new(4, 32).unwrap();
+        let make = |q: KvQuant| SeqCache::new(vec![Box::new(QuantCache::new(2, 64, q, &dev)) as Box<dyn KvCache>]);
+        let mut seq = make(q);
+        let x = Tensor::randn(0f32, 1.0, (2, 9, 64), &dev)?;
+        seq.layer(0).update_and_fetch(&x, &x)?;
+        let tokens: Vec<u32> = (1..=9).collect();
+        {
+            let mut tier = crate::DiskTier::open(&dir, 1 << 30, "test").map_err(candle_core::Error::wrap)?;
+            tier.store(&tokens, &seq)?;
+            tier.flush();
+        }
+        let mut tier = crate::DiskTier::open(&dir, 1 << 30, "test").map_err(candle_core::Error::wrap)?;
+        let (i, n) = tier.best(&tokens, 9).expect("the entry is indexed");
+        assert_eq!(n, 9);
+        let (_, back) = tier.load(i, make(q)).expect("the entry loads");
+        assert_eq!(bits(&back.layer_ref(0).state()?.unwrap().k), bits(&seq.layer(0).state()?.unwrap().k));
+        assert_eq!(back.offset(), 9);
+        assert!(tier.best(&tokens, 9).is_some_and(|(i, _)| tier.load(i, make(q.with_rotation(false))).is_none()));
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
     #[test]
     fn schemes_from_flags() {
         assert_eq!(KvScheme::from_flags(None, 32), Ok(KvScheme::Float));

@@ -181,3 +181,24 @@ def test_shutdown_refuses_new_generations_with_503_and_exits(tmp_path):
     assert s.proc.wait(10) == 0
     assert time.monotonic() - t0 < 6.5
     assert statuses == {(503, "1")}, statuses
+
+
+def test_requests_refused_by_a_full_queue_leave_no_log(tmp_path):
+    s = ch.Server(binary(), str(SMOLLM2), "--checkpoint-dir", str(tmp_path), "--queue-size", "1", "--max-seqs", "1")
+    statuses = []
+
+    def one(i):
+        r = httpx.post(s.url + "/v1/chat/completions", json=body(stream=False, seed=i, max_tokens=16), timeout=120)
+        statuses.append(r.status_code)
+
+    try:
+        threads = [ch.threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        time.sleep(0.5)
+    finally:
+        s.stop()
+    assert 429 in statuses and 200 in statuses, statuses
+    assert not list(tmp_path.glob("*.ckpt")), "a refused request's log was left behind"

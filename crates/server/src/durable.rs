@@ -125,8 +125,17 @@ pub fn submit(
     let done = Done { store: store.clone(), completion: p.claim.completion() };
     let checkpointer = p.claim.begin(&p.header, &p.resume);
     let request = requests.pop().expect("one request");
-    let rx = state.engine.submit_durable(request, Durable { checkpointer, resume: p.resume })?;
-    Ok((vec![rx], Some(done)))
+    let fresh = p.resume.is_empty();
+    match state.engine.submit_durable(request, Durable { checkpointer, resume: p.resume }) {
+        Ok(rx) => Ok((vec![rx], Some(done))),
+        Err(e) => {
+            // Refused (429…): a new log would only wait for its TTL; a resumed one is kept.
+            if fresh {
+                done.complete();
+            }
+            Err(e)
+        }
+    }
 }
 
 /// Graceful shutdown: new generations get 503 + `Retry-After`; every running one writes what

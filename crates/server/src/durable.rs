@@ -95,7 +95,7 @@ pub fn prepare(state: &SharedState, specs: &mut [GenerationSpec], log: &RequestL
         }
         Some(saved) if saved.header.model == *model && log.idempotency_key().is_some() => {
             return Err(ApiError::invalid(
-                "Idempotency-Key: this key was used for a different request (prompt or parameters differ)",
+                "Idempotency-Key: this key was used for a different request (its prompt, parameters or the server's defaults differ)",
                 Some("Idempotency-Key"),
             ));
         }

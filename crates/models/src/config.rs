@@ -181,8 +181,9 @@ pub fn llama_family(c: &HfConfig) -> Result<LlamaConfig> {
     }
     let layers = c.usize("num_hidden_layers")?;
     let window = match arch.as_str() {
-        "mistral" => c.opt_usize("sliding_window")?,
-        "qwen2" | "qwen3" | "qwen3_moe" if c.bool_or("use_sliding_window", false) => {
+        // transformers applies Mixtral's window as Mistral's (null in its released configs).
+        "mistral" | "mixtral" => c.opt_usize("sliding_window")?,
+        "qwen2" | "qwen2_moe" | "qwen3" | "qwen3_moe" if c.bool_or("use_sliding_window", false) => {
             return Err(c.error(format!("{arch} with use_sliding_window is not supported")))
         }
         _ => None,

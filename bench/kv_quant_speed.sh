@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Decode and prefill tok/s with f16, 8-bit and 4-bit KV (docs/kv_quant.md): `ferrolm bench` at
+# 512 and 4096 prompt tokens, one line of JSON per run into $OUT (default
+# bench/results/kv_quant_speed.jsonl). Schemes alternate inside each (model, context) so that a
+# busy machine's load spreads over all of them.
+#   FERROLM_BIN=/path/to/ferrolm bench/kv_quant_speed.sh [model.gguf ...]
+set -euo pipefail
+BIN=${FERROLM_BIN:-target/release/ferrolm}
+OUT=${OUT:-bench/results/kv_quant_speed.jsonl}
+MODELS=("$@")
+[ ${#MODELS[@]} -eq 0 ] && MODELS=(~/.cache/ferrolm/models/SmolLM2-135M-Instruct.Q4_1.gguf ~/.cache/ferrolm/models/qwen2.5-coder-0.5b-instruct-Q4_K_M.gguf)
+: > "$OUT"
+for m in "${MODELS[@]}"; do
+  for ctx in 512 4096; do
+    for round in 1 2; do
+      for bits in 16 8 4; do
+        "$BIN" bench --model "$m" --device cpu --prompt-tokens $ctx --decode-tokens 32 --runs 1 --kv-bits $bits --json \
+          | python3 -c "import json,sys; d=json.load(sys.stdin); d.pop('decoded_ids',None); d['round']=$round; print(json.dumps(d))" >> "$OUT"
+      done
+    done
+  done
+done
+python3 - "$OUT" <<'PY'
+import json, sys, collections
+best = collections.defaultdict(lambda: {"prefill_tps": 0, "decode_tps": 0})
+for line in open(sys.argv[1]):
+    d = json.loads(line)
+    key = (d["model"].split("/")[-1], d["prompt_tokens"], d["kv"], d["kv_bytes_per_token"])
+    for f in ("prefill_tps", "decode_tps"):
+        best[key][f] = max(best[key][f], d[f])
+for (model, ctx, kv, bpt), v in sorted(best.items()):
+    print(f"{model:<45} ctx {ctx:>5} {kv:<10} {bpt:>6} B/tok  prefill {v['prefill_tps']:7.1f} tok/s  decode {v['decode_tps']:6.1f} tok/s")
+PY

@@ -79,9 +79,9 @@ def test_unknown_flag_is_an_error():
 
 
 def test_unsupported_mlx_flags_are_refused_not_ignored():
-    r = run_cli("serve", "--port", "0", "--kv-bits", "4")
+    r = run_cli("serve", "--port", "0", "--quantized-kv-start", "100")
     assert r.returncode == 2
-    assert "--kv-bits is not supported" in r.stderr
+    assert "--quantized-kv-start is not supported" in r.stderr
 
 
 def test_mlx_lm_flags_are_accepted():

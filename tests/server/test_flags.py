@@ -103,7 +103,7 @@ def test_prompt_cache_bytes(started):
 
 
 @pytest.mark.parametrize("flag,value", [("--prompt-concurrency", "2"),
-                                        ("--prompt-cache-size", "4"), ("--kv-group-size", "32"),
+                                        ("--prompt-cache-size", "4"),
                                         ("--quantized-kv-start", "0"), ("--pipeline", None),
                                         ("--adapter-path", "x")])
 def test_mlx_knobs_away_from_their_defaults_are_refused(flag, value):

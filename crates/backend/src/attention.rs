@@ -6,6 +6,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 use crate::cpu::attn::{self, Call, Kv};
 use crate::cpu::kv_rows::QKv;
 use crate::kv_quant::{self, KvQuant};
+use crate::paged::BlockTable;
 use crate::cpu::math;
 use crate::cpu::simd::{level, multiversion_plain, MulAdd};
 use crate::cpu::threads::{parallel_ranges, SharedOut};
@@ -53,6 +54,28 @@ pub fn attend_prompt_quant(q: &Tensor, k: &Tensor, v: &Tensor, quant: Option<KvQ
     attend_as(q, k, v, quant, pos, p, true)
 }
 
+/// `attend` (`prompt` false) or `attend_prompt` (true) over a paged cache: k and v are a
+/// layer's pools `[blocks, Hkv, B, D]` (f16 or f32) and `table` lists the sequence's blocks.
+/// The CPU kernels read the rows through the table; the arithmetic, and so every bit of the
+/// result, is that of the same keys and values held contiguously. CPU only.
+pub fn attend_paged(q: &Tensor, k: &Tensor, v: &Tensor, table: &BlockTable, pos: Positions, p: &AttentionParams, prompt: bool) -> candle_core::Result<Tensor> {
+    let (t, hq, d) = q.dims3()?;
+    let hkv = table.kv_heads(k.layout())?;
+    if table.kv_heads(v.layout())? != hkv || hq % hkv != 0 {
+        candle_core::bail!("paged attention: {hq} query heads over {hkv} kv heads")
+    }
+    let dt = k.dtype();
+    if !matches!(q.device(), Device::Cpu) || q.dtype() != DType::F32 || v.dtype() != dt || !matches!(dt, DType::F16 | DType::F32) {
+        candle_core::bail!("paged attention runs on the CPU over f16 or f32 pools, not {:?} {}", q.device(), dt.as_str())
+    }
+    let reads_f16 = prompt || (t == 1 && decode_kernel(d)) || t >= TILED_MIN_TOKENS;
+    if dt == DType::F16 && !reads_f16 {
+        // The per-row kernel takes f32 (2 or 3 rows without the AVX-512 decode kernel).
+        return attend_paged(q, &k.to_dtype(DType::F32)?, &v.to_dtype(DType::F32)?, table, pos, p, prompt);
+    }
+    q.contiguous()?.apply_op3_no_bwd(k, v, &AttendCpu { pos, params: *p, prompt, quant: None, table: Some(table) })
+}
+
 fn attend_as(q: &Tensor, k: &Tensor, v: &Tensor, quant: Option<KvQuant>, pos: Positions, p: &AttentionParams, prompt: bool) -> candle_core::Result<Tensor> {
     if let Some(qf) = quant {
         return attend_quantized(q, k, v, qf, pos, p, prompt);
@@ -73,7 +96,7 @@ fn attend_as(q: &Tensor, k: &Tensor, v: &Tensor, quant: Option<KvQuant>, pos: Po
         }
         if kv_is(DType::F32) || kv_is(DType::F16) {
             let q = q.contiguous()?;
-            return q.apply_op3_no_bwd(k, v, &AttendCpu { pos, params: *p, prompt, quant: None });
+            return q.apply_op3_no_bwd(k, v, &AttendCpu { pos, params: *p, prompt, quant: None, table: None });
         }
     }
     if !matches!(q.device(), Device::Cpu) {
@@ -98,7 +121,7 @@ fn attend_quantized(q: &Tensor, k: &Tensor, v: &Tensor, quant: KvQuant, pos: Pos
     if matches!(q.device(), Device::Cpu) && q.dtype() == DType::F32 && direct {
         // Rotated rows: queries rotated alike, the output (rotated values) rotated back.
         let q = if quant.rotate { kv_quant::rotate(q)? } else { q.contiguous()? };
-        let out = q.apply_op3_no_bwd(k, v, &AttendCpu { pos, params: *p, prompt, quant: Some(quant) })?;
+        let out = q.apply_op3_no_bwd(k, v, &AttendCpu { pos, params: *p, prompt, quant: Some(quant), table: None })?;
         return unrotate_heads(out, quant, d);
     }
     let (k, v) = (kv_quant::dequantize(quant, k, d)?, kv_quant::dequantize(quant, v, d)?);
@@ -126,6 +149,24 @@ pub struct DecodeQuery<'a> {
     pub pos: Positions,
 }
 
+impl DecodeQuery<'_> {
+    /// Row `r`'s attention alone (the fallback when no batched kernel takes the batch); `table`:
+    /// k and v are paged pools read through it.
+    fn attend_row(&self, table: Option<&BlockTable>, r: usize, p: &AttentionParams) -> candle_core::Result<Tensor> {
+        let pos = Positions { query_start: self.pos.query_start + r, key_start: self.pos.key_start };
+        let keys = (pos.query_start + 1).saturating_sub(pos.key_start);
+        let q = self.q.narrow(0, r, 1)?;
+        match table {
+            Some(table) => attend_paged(&q, self.k, self.v, &table.truncated(keys), pos, p, false),
+            None => {
+                let keys = keys.min(self.k.dims()[1]);
+                let (k, v) = (self.k.narrow(1, 0, keys)?, self.v.narrow(1, 0, keys)?);
+                attend_quant(&q, &k, &v, self.quant, pos, p)
+            }
+        }
+    }
+}
+
 /// `attend` for the decode rows of several sequences, `[rows, Hq·D]`. Every row is computed as
 /// a lone decode of that token would be (its keys up to its own position, the one-token
 /// kernel's arithmetic), so verifying drafts gives the bits of decoding them one by one. On the
@@ -136,17 +177,33 @@ pub fn attend_decode_batch(queries: &[DecodeQuery<'_>], p: &AttentionParams) -> 
             return attend_quant(one.q, one.k, one.v, one.quant, one.pos, p);
         }
     }
+    decode_batch(queries, &vec![None; queries.len()], p)
+}
+
+/// `attend_decode_batch` over paged caches: query i's k and v are pools `[blocks, Hkv, B, D]`
+/// read through `tables[i]` (see [`attend_paged`]); the same bits as over contiguous caches.
+pub fn attend_decode_batch_paged(queries: &[DecodeQuery<'_>], tables: &[&BlockTable], p: &AttentionParams) -> candle_core::Result<Tensor> {
+    if queries.len() != tables.len() {
+        candle_core::bail!("paged attention: {} queries, {} block tables", queries.len(), tables.len())
+    }
+    let tables: Vec<Option<&BlockTable>> = tables.iter().map(|t| Some(*t)).collect();
+    decode_batch(queries, &tables, p)
+}
+
+fn decode_batch(queries: &[DecodeQuery<'_>], tables: &[Option<&BlockTable>], p: &AttentionParams) -> candle_core::Result<Tensor> {
+    if let ([one], [table]) = (queries, tables) {
+        if one.q.dims()[0] == 1 {
+            return one.attend_row(*table, 0, p);
+        }
+    }
     #[cfg(target_arch = "x86_64")]
-    if let Some(out) = decode_batch_cpu(queries, p)? {
+    if let Some(out) = decode_batch_cpu(queries, tables, p)? {
         return Ok(out);
     }
     let mut outs = Vec::new();
-    for d in queries {
+    for (d, table) in queries.iter().zip(tables) {
         for r in 0..d.q.dims()[0] {
-            let pos = Positions { query_start: d.pos.query_start + r, key_start: d.pos.key_start };
-            let keys = (pos.query_start + 1).saturating_sub(pos.key_start).min(d.k.dims()[1]);
-            let (k, v) = (d.k.narrow(1, 0, keys)?, d.v.narrow(1, 0, keys)?);
-            outs.push(attend_quant(&d.q.narrow(0, r, 1)?, &k, &v, d.quant, pos, p)?);
+            outs.push(d.attend_row(*table, r, p)?);
         }
     }
     Tensor::cat(&outs, 0)
@@ -155,7 +212,7 @@ pub fn attend_decode_batch(queries: &[DecodeQuery<'_>], p: &AttentionParams) -> 
 /// The CPU batch when every query is one f32 token over an f16 (or every one over an f32) cache
 /// with a head size `decode_attn` takes; None otherwise.
 #[cfg(target_arch = "x86_64")]
-fn decode_batch_cpu(queries: &[DecodeQuery<'_>], p: &AttentionParams) -> candle_core::Result<Option<Tensor>> {
+fn decode_batch_cpu(queries: &[DecodeQuery<'_>], tables: &[Option<&BlockTable>], p: &AttentionParams) -> candle_core::Result<Option<Tensor>> {
     let Some(first) = queries.first() else { return Ok(None) };
     let (kv_dtype, quant) = (first.k.dtype(), first.quant);
     let fits = |d: &DecodeQuery| {
@@ -165,17 +222,18 @@ fn decode_batch_cpu(queries: &[DecodeQuery<'_>], p: &AttentionParams) -> candle_
         return Ok(None);
     }
     match (kv_dtype, quant) {
-        (DType::F16, None) => decode_batch_typed::<FloatRows<half::f16>>(queries, p).map(Some),
-        (DType::F32, None) => decode_batch_typed::<FloatRows<f32>>(queries, p).map(Some),
+        (DType::F16, None) => decode_batch_typed::<FloatRows<half::f16>>(queries, tables, p).map(Some),
+        (DType::F32, None) => decode_batch_typed::<FloatRows<f32>>(queries, tables, p).map(Some),
+        _ if tables.iter().any(Option::is_some) => Ok(None),
         (DType::U8, Some(qf)) if qf.rotate => {
             // Each query rotated on its own, and each output row rotated back on its own: a
             // row's bits do not depend on the rest of the batch.
             let rotated = queries.iter().map(|d| kv_quant::rotate(d.q)).collect::<candle_core::Result<Vec<_>>>()?;
             let queries: Vec<DecodeQuery> = queries.iter().zip(&rotated).map(|(d, q)| DecodeQuery { q, ..*d }).collect();
-            let out = decode_batch_typed::<QuantRows>(&queries, p)?;
+            let out = decode_batch_typed::<QuantRows>(&queries, tables, p)?;
             unrotate_heads(out, qf, first.q.dims()[2]).map(Some)
         }
-        (DType::U8, Some(_)) => decode_batch_typed::<QuantRows>(queries, p).map(Some),
+        (DType::U8, Some(_)) => decode_batch_typed::<QuantRows>(queries, tables, p).map(Some),
         _ => Ok(None),
     }
 }
@@ -184,7 +242,8 @@ fn decode_batch_cpu(queries: &[DecodeQuery<'_>], p: &AttentionParams) -> candle_
 #[cfg(target_arch = "x86_64")]
 trait RowsOf {
     type R<'a>: crate::cpu::decode_attn::Rows;
-    fn view<'a>(s: &'a CpuStorage, l: &Layout, quant: Option<KvQuant>, d: usize) -> candle_core::Result<Self::R<'a>>;
+    /// `table` and `offsets` (its `BlockTable::offsets`) when the query's cache is paged.
+    fn view<'a>(s: &'a CpuStorage, l: &Layout, quant: Option<KvQuant>, d: usize, paged: Option<(&BlockTable, &'a [usize])>) -> candle_core::Result<Self::R<'a>>;
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -193,8 +252,11 @@ struct FloatRows<E>(std::marker::PhantomData<E>);
 #[cfg(target_arch = "x86_64")]
 impl<E: crate::cpu::decode_attn::Elem + candle_core::WithDType> RowsOf for FloatRows<E> {
     type R<'a> = Kv<'a, E>;
-    fn view<'a>(s: &'a CpuStorage, l: &Layout, _: Option<KvQuant>, _: usize) -> candle_core::Result<Kv<'a, E>> {
-        kv_view(s.as_slice::<E>()?, l)
+    fn view<'a>(s: &'a CpuStorage, l: &Layout, _: Option<KvQuant>, _: usize, paged: Option<(&BlockTable, &'a [usize])>) -> candle_core::Result<Kv<'a, E>> {
+        match paged {
+            Some((table, offsets)) => Ok(table.view(s.as_slice::<E>()?, l, offsets)),
+            None => kv_view(s.as_slice::<E>()?, l),
+        }
     }
 }
 
@@ -204,25 +266,33 @@ struct QuantRows;
 #[cfg(target_arch = "x86_64")]
 impl RowsOf for QuantRows {
     type R<'a> = QKv<'a>;
-    fn view<'a>(s: &'a CpuStorage, l: &Layout, quant: Option<KvQuant>, d: usize) -> candle_core::Result<QKv<'a>> {
+    fn view<'a>(s: &'a CpuStorage, l: &Layout, quant: Option<KvQuant>, d: usize, paged: Option<(&BlockTable, &'a [usize])>) -> candle_core::Result<QKv<'a>> {
+        if paged.is_some() {
+            candle_core::bail!("attention: quantized rows are not paged")
+        }
         let quant = quant.ok_or_else(|| candle_core::Error::Msg("attention: quantized rows without a format".into()))?;
         qkv_view(s.as_slice::<u8>()?, l, quant, d)
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-fn decode_batch_typed<V: RowsOf>(queries: &[DecodeQuery<'_>], p: &AttentionParams) -> candle_core::Result<Tensor> {
+fn decode_batch_typed<V: RowsOf>(queries: &[DecodeQuery<'_>], tables: &[Option<&BlockTable>], p: &AttentionParams) -> candle_core::Result<Tensor> {
     use crate::cpu::decode_attn::{attend_many, DecodeCall};
     use candle_core::Storage;
     let qs = queries.iter().map(|d| d.q.contiguous()).collect::<candle_core::Result<Vec<_>>>()?;
     let guards: Vec<_> = queries.iter().zip(&qs).map(|(d, q)| (q.storage_and_layout(), d.k.storage_and_layout(), d.v.storage_and_layout())).collect();
+    let offsets: Vec<(Vec<usize>, Vec<usize>)> = tables.iter().zip(&guards).map(|(t, (_, (_, kl), (_, vl)))| t.map(|t| (t.offsets(kl), t.offsets(vl))).unwrap_or_default()).collect();
     let mut calls = Vec::with_capacity(queries.len());
-    for (d, ((qs, ql), (ks, kl), (vs, vl))) in queries.iter().zip(&guards) {
+    for (((d, ((qs, ql), (ks, kl), (vs, vl))), (k_off, v_off)), table) in queries.iter().zip(&guards).zip(&offsets).zip(tables) {
         let (Storage::Cpu(qc), Storage::Cpu(kc), Storage::Cpu(vc)) = (&**qs, &**ks, &**vs) else { candle_core::bail!("attention: expected CPU tensors") };
         let (t, hq, dim) = d.q.dims3()?;
-        let (hkv, _, _) = d.k.dims3()?;
+        let hkv = match table {
+            Some(table) => table.kv_heads(kl)?.min(table.kv_heads(vl)?),
+            None => d.k.dims()[0],
+        };
         let q_all = &qc.as_slice::<f32>()?[ql.start_offset()..ql.start_offset() + t * hq * dim];
-        let (k, v) = (V::view(kc, kl, d.quant, dim)?, V::view(vc, vl, d.quant, dim)?);
+        let (kp, vp) = (table.map(|t| (t, &k_off[..])), table.map(|t| (t, &v_off[..])));
+        let (k, v) = (V::view(kc, kl, d.quant, dim, kp)?, V::view(vc, vl, d.quant, dim, vp)?);
         for (r, q) in q_all.chunks_exact(hq * dim).enumerate() {
             // Row r sees the keys a lone decode at its position would hold.
             let qpos = d.pos.query_start + r;
@@ -286,16 +356,18 @@ fn build_mask(t: usize, s: usize, group: usize, pos: Positions, window: Option<u
     mask
 }
 
-struct AttendCpu {
+struct AttendCpu<'t> {
     pos: Positions,
     params: AttentionParams,
     /// Prompt rows: always the tiled kernel (see `attend_prompt`).
     prompt: bool,
     /// Quantized rows (U8 storage), see `kv_quant`.
     quant: Option<KvQuant>,
+    /// Paged keys and values: k and v are pools `[blocks, Hkv, B, D]` read through this table.
+    table: Option<&'t BlockTable>,
 }
 
-impl CustomOp3 for AttendCpu {
+impl CustomOp3 for AttendCpu<'_> {
     fn name(&self) -> &'static str {
         "attend"
     }
@@ -311,7 +383,14 @@ impl CustomOp3 for AttendCpu {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let CpuStorage::F32(q) = qs else { candle_core::bail!("attention: expected f32 q") };
         let (t, hq, d) = ql.shape().dims3()?;
-        let (hkv, s, _) = kl.shape().dims3()?;
+        let (hkv, s) = match self.table {
+            Some(table) => (table.kv_heads(kl)?, table.tokens),
+            None => {
+                let (hkv, s, _) = kl.shape().dims3()?;
+                (hkv, s)
+            }
+        };
+        let offsets = self.table.map(|table| table.offsets(kl)).unwrap_or_default();
         let q = &q[ql.start_offset()..ql.start_offset() + t * hq * d];
         let mut out = vec![0f32; t * hq * d];
         if let Some(quant) = self.quant {
@@ -328,11 +407,11 @@ impl CustomOp3 for AttendCpu {
                 let (scale, softcap) = (self.params.scale, self.params.softcap);
                 match (ks, vs) {
                     (CpuStorage::F32(kd), CpuStorage::F32(vd)) => {
-                        let (k, v) = (kv_view(kd, kl)?, kv_view(vd, vl)?);
+                        let (k, v) = (self.view(kd, kl, &offsets)?, self.view(vd, vl, &offsets)?);
                         attend(&DecodeCall { q, k, v, hq, hkv, d, lo, hi, scale, softcap }, &mut out)
                     }
                     (CpuStorage::F16(kd), CpuStorage::F16(vd)) => {
-                        let (k, v) = (kv_view(kd, kl)?, kv_view(vd, vl)?);
+                        let (k, v) = (self.view(kd, kl, &offsets)?, self.view(vd, vl, &offsets)?);
                         attend(&DecodeCall { q, k, v, hq, hkv, d, lo, hi, scale, softcap }, &mut out)
                     }
                     _ => candle_core::bail!("attention: k and v differ in dtype"),
@@ -357,14 +436,14 @@ impl CustomOp3 for AttendCpu {
                 visible: &visible,
             };
             match (ks, vs) {
-                (CpuStorage::F32(kd), CpuStorage::F32(vd)) => attn::attend(level(), &call, kv_view(kd, kl)?, kv_view(vd, vl)?, &mut out),
-                (CpuStorage::F16(kd), CpuStorage::F16(vd)) => attn::attend(level(), &call, kv_view(kd, kl)?, kv_view(vd, vl)?, &mut out),
+                (CpuStorage::F32(kd), CpuStorage::F32(vd)) => attn::attend(level(), &call, self.view(kd, kl, &offsets)?, self.view(vd, vl, &offsets)?, &mut out),
+                (CpuStorage::F16(kd), CpuStorage::F16(vd)) => attn::attend(level(), &call, self.view(kd, kl, &offsets)?, self.view(vd, vl, &offsets)?, &mut out),
                 _ => candle_core::bail!("attention: k and v differ in dtype"),
             }
             return Ok((CpuStorage::F32(out), Shape::from((t, hq * d))));
         }
         let (CpuStorage::F32(kd), CpuStorage::F32(vd)) = (ks, vs) else { candle_core::bail!("attention: expected f32 kv") };
-        let job = Job { q, k: kv_view(kd, kl)?, v: kv_view(vd, vl)?, hq, group: hq / hkv, s, d, op: self };
+        let job = Job { q, k: self.view(kd, kl, &offsets)?, v: self.view(vd, vl, &offsets)?, hq, group: hq / hkv, s, d, op: self };
         let shared = SharedOut::new(&mut out);
         let worth = t * hq * s * d > 1 << 14;
         parallel_ranges(t * hq, 1, worth, |rows| {
@@ -378,7 +457,15 @@ impl CustomOp3 for AttendCpu {
     }
 }
 
-impl AttendCpu {
+impl AttendCpu<'_> {
+    /// The rows of a cache's storage: through the block table when paged.
+    fn view<'a, E>(&self, data: &'a [E], layout: &Layout, offsets: &'a [usize]) -> candle_core::Result<Kv<'a, E>> {
+        match self.table {
+            Some(table) => Ok(table.view(data, layout, offsets)),
+            None => kv_view(data, layout),
+        }
+    }
+
     /// Quantized rows: one token on the decode kernel, else the tiled kernel (`attend_quantized`
     /// sends nothing else here).
     fn quantized(&self, q: &[f32], (t, hq, hkv, s, d): (usize, usize, usize, usize, usize), k: QKv, v: QKv, out: &mut [f32]) -> candle_core::Result<()> {
@@ -415,7 +502,7 @@ fn kv_view<'a, E>(data: &'a [E], layout: &Layout) -> candle_core::Result<Kv<'a, 
     if stride[2] != 1 {
         candle_core::bail!("attention: kv head_dim must be contiguous")
     }
-    Ok(Kv { data: &data[layout.start_offset()..], head_stride: stride[0], token_stride: stride[1] })
+    Ok(Kv::contiguous(&data[layout.start_offset()..], stride[0], stride[1]))
 }
 
 /// A `[H, S, row_bytes]` view of quantized rows of head size `d`.
@@ -444,7 +531,7 @@ struct Job<'a> {
     group: usize,
     s: usize,
     d: usize,
-    op: &'a AttendCpu,
+    op: &'a AttendCpu<'a>,
 }
 
 multiversion_plain!(fn attend_rows(job: &Job, rows: std::ops::Range<usize>, scores: &mut [f32], out: SharedOut) => attend_rows_impl);

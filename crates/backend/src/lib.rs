@@ -13,6 +13,7 @@ pub mod kv_quant;
 pub mod linear;
 pub mod norm;
 pub mod ops;
+pub mod paged;
 pub mod rope;
 pub mod shard;
 

@@ -18,17 +18,32 @@ use std::cell::RefCell;
 /// A `[H, S, D]` view of cached keys or values (f32, or the CPU cache's f16) with a contiguous
 /// last dimension and any head and token strides (the KV cache hands out a narrowed view of its
 /// buffer). Every CPU attention kernel reads the cache through it.
+///
+/// Tokens sit in blocks of `1 << block_shift` tokens starting at the element offsets `blocks`
+/// (a paged cache's block table, see `paged::BlockTable`); a contiguous view is one block
+/// holding every token (`Kv::contiguous`), so both read through the same two instructions.
 #[derive(Clone, Copy)]
 pub struct Kv<'a, E = f32> {
     pub data: &'a [E],
     pub head_stride: usize,
     pub token_stride: usize,
+    pub blocks: &'a [usize],
+    pub block_shift: u32,
 }
 
-impl<E> Kv<'_, E> {
+/// The block table of a contiguous view: one block at offset 0.
+const ONE_BLOCK: &[usize] = &[0];
+
+impl<'a, E> Kv<'a, E> {
+    /// `[H, S, D]` rows at `data` with these strides, in one block.
+    pub fn contiguous(data: &'a [E], head_stride: usize, token_stride: usize) -> Self {
+        Self { data, head_stride, token_stride, blocks: ONE_BLOCK, block_shift: usize::BITS - 1 }
+    }
+
     #[inline(always)]
     pub(crate) fn row(&self, head: usize, token: usize, d: usize) -> &[E] {
-        let o = head * self.head_stride + token * self.token_stride;
+        let within = token & ((1usize << self.block_shift) - 1);
+        let o = self.blocks[token >> self.block_shift] + head * self.head_stride + within * self.token_stride;
         &self.data[o..o + d]
     }
 }

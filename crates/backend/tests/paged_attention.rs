@@ -1,0 +1,89 @@
+//! Attention over a paged cache (`attend_paged`, `attend_decode_batch_paged`): the kernels read
+//! the rows through a block table, and every result is bit-identical to the same keys and
+//! values held contiguously — decode (one row, verified rows), the decode batch, the tiled
+//! prompt kernel, f16 and f32 rows, a sliding window, blocks scattered over the pool.
+
+use candle_core::{DType, Device, Tensor};
+use ferrolm_backend::attention::{attend, attend_decode_batch, attend_decode_batch_paged, attend_paged, attend_prompt, AttentionParams, DecodeQuery, Positions};
+use ferrolm_backend::paged::BlockTable;
+
+/// Contiguous k `[hkv, s, d]` and the same rows in a pool `[blocks, hkv, bt, d]` whose other
+/// blocks hold noise, at the blocks listed by the returned table (in scrambled order).
+fn paged_copy(k: &Tensor, bt: usize) -> (Tensor, BlockTable) {
+    let (hkv, s, d) = k.dims3().unwrap();
+    let used = s.div_ceil(bt);
+    let pool_blocks = 2 * used + 3;
+    let blocks: Vec<usize> = (0..used).map(|i| 2 * (used - 1 - i) + 1).collect();
+    let pool = Tensor::randn(0f32, 1.0, (pool_blocks, hkv, bt, d), &Device::Cpu).unwrap().to_dtype(k.dtype()).unwrap();
+    for (i, &b) in blocks.iter().enumerate() {
+        let n = (s - i * bt).min(bt);
+        let rows = k.narrow(1, i * bt, n).unwrap().unsqueeze(0).unwrap().contiguous().unwrap();
+        let mut whole = pool.narrow(0, b, 1).unwrap().contiguous().unwrap();
+        whole = whole.slice_assign(&[0..1, 0..hkv, 0..n, 0..d], &rows).unwrap();
+        pool.slice_set(&whole, 0, b).unwrap();
+    }
+    (pool, BlockTable { blocks, block_tokens: bt, tokens: s })
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+}
+
+fn kv(hkv: usize, s: usize, d: usize, dt: DType) -> Tensor {
+    Tensor::randn(0f32, 1.0, (hkv, s, d), &Device::Cpu).unwrap().to_dtype(dt).unwrap()
+}
+
+#[test]
+fn paged_rows_give_the_contiguous_bits() {
+    let dev = Device::Cpu;
+    for dt in [DType::F16, DType::F32] {
+        for bt in [16, 32, 64] {
+            for (s, window) in [(1, None), (37, None), (200, None), (200, Some(50))] {
+                let (hq, hkv, d) = (6, 2, 64);
+                let (k, v) = (kv(hkv, s, d, dt), kv(hkv, s, d, dt));
+                let ((kp, table), (vp, vtable)) = (paged_copy(&k, bt), paged_copy(&v, bt));
+                assert_eq!(table, vtable);
+                let p = AttentionParams { scale: 0.125, window, softcap: None };
+                // One decode row at the end.
+                let q = Tensor::randn(0f32, 1.0, (1, hq, d), &dev).unwrap();
+                let pos = Positions { query_start: s - 1, key_start: 0 };
+                let want = attend(&q, &k, &v, pos, &p).unwrap();
+                assert_eq!(bits(&attend_paged(&q, &kp, &vp, &table, pos, &p, false).unwrap()), bits(&want), "decode {dt:?} bt {bt} s {s}");
+                // The last t rows as a prompt chunk.
+                let t = s.min(9);
+                let q = Tensor::randn(0f32, 1.0, (t, hq, d), &dev).unwrap();
+                let pos = Positions { query_start: s - t, key_start: 0 };
+                let want = attend_prompt(&q, &k, &v, pos, &p).unwrap();
+                assert_eq!(bits(&attend_paged(&q, &kp, &vp, &table, pos, &p, true).unwrap()), bits(&want), "prompt {dt:?} bt {bt} s {s}");
+                // Three verified rows (a speculative check) in a batch beside a one-row query.
+                if s >= 3 {
+                    let (q3, q1) = (Tensor::randn(0f32, 1.0, (3, hq, d), &dev).unwrap(), Tensor::randn(0f32, 1.0, (1, hq, d), &dev).unwrap());
+                    let pos3 = Positions { query_start: s - 3, key_start: 0 };
+                    let pos1 = Positions { query_start: s - 1, key_start: 0 };
+                    let contiguous = [DecodeQuery { q: &q3, k: &k, v: &v, quant: None, pos: pos3 }, DecodeQuery { q: &q1, k: &k, v: &v, quant: None, pos: pos1 }];
+                    let paged = [DecodeQuery { q: &q3, k: &kp, v: &vp, quant: None, pos: pos3 }, DecodeQuery { q: &q1, k: &kp, v: &vp, quant: None, pos: pos1 }];
+                    let want = attend_decode_batch(&contiguous, &p).unwrap();
+                    let got = attend_decode_batch_paged(&paged, &[&table, &table], &p).unwrap();
+                    assert_eq!(bits(&got), bits(&want), "batch {dt:?} bt {bt} s {s}");
+                }
+            }
+        }
+    }
+}
+
+/// A table that lists more tokens than its blocks hold, or a block outside the pool, is an
+/// error, not a read out of bounds.
+#[test]
+fn a_bad_table_is_refused() {
+    let k = kv(2, 40, 64, DType::F16);
+    let (pool, table) = paged_copy(&k, 16);
+    let q = Tensor::randn(0f32, 1.0, (1, 4, 64), &Device::Cpu).unwrap();
+    let p = AttentionParams { scale: 0.125, window: None, softcap: None };
+    let pos = Positions { query_start: 39, key_start: 0 };
+    let too_long = BlockTable { tokens: 49, ..table.clone() };
+    assert!(attend_paged(&q, &pool, &pool, &too_long, pos, &p, false).is_err());
+    let outside = BlockTable { blocks: vec![0, 1, 99], ..table.clone() };
+    assert!(attend_paged(&q, &pool, &pool, &outside, pos, &p, false).is_err());
+    let wrong_block = BlockTable { block_tokens: 32, ..table };
+    assert!(attend_paged(&q, &pool, &pool, &wrong_block, pos, &p, false).is_err());
+}

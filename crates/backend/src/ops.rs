@@ -38,6 +38,22 @@ pub fn argmax_into(logits: &Tensor, dst: &Tensor) -> candle_core::Result<()> {
     dst.slice_set(&best, 0, 0)
 }
 
+/// The argmax of each row of logits `[rows, vocab]` (first index on ties) as a `[rows]` u32
+/// tensor on their device, in one pass over all rows; None where no such kernel runs (CPU:
+/// each row's sampler takes its own argmax there).
+pub fn argmax_rows(logits: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    {
+        let flat = logits.to_dtype(DType::F32)?.contiguous()?;
+        return crate::cuda::ops::argmax_rows(&flat);
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = logits;
+        Ok(None)
+    }
+}
+
 /// [`argmax_into`] then [`increment`] of `pos`: the end of a greedy static decode step (on CUDA
 /// one kernel fewer: the final argmax pass advances the position too).
 pub fn argmax_and_advance(logits: &Tensor, dst: &Tensor, pos: &Tensor) -> candle_core::Result<()> {

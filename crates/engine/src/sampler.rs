@@ -30,6 +30,8 @@ pub trait TokenSampler {
     fn resume_at(&mut self, _step: u64) -> bool {
         false
     }
+    /// Counts a plain greedy step whose token the engine computed for the whole batch at once.
+    fn count_argmax(&mut self) {}
 }
 
 /// The request sampler (mlx-lm semantics) plugs in directly.
@@ -57,6 +59,10 @@ impl TokenSampler for ferrolm_sample::Sampler {
         self.set_step(step);
         true
     }
+
+    fn count_argmax(&mut self) {
+        self.skip_step();
+    }
 }
 
 /// A borrowed sampler samples as the sampler it borrows (for `generate`).
@@ -75,5 +81,9 @@ impl<T: TokenSampler + ?Sized> TokenSampler for &mut T {
 
     fn resume_at(&mut self, step: u64) -> bool {
         (**self).resume_at(step)
+    }
+
+    fn count_argmax(&mut self) {
+        (**self).count_argmax()
     }
 }

@@ -247,6 +247,20 @@ impl<'a> Sequence<'a> {
         ferrolm_models::SeqInput::decode(&self.rows, &mut self.cache)
     }
 
+    /// Whether this step's token is the plain argmax of its last row (no drafts, no constraint,
+    /// a plain greedy sampler): the engine may then take it from one argmax over the batch.
+    pub fn samples_plain_argmax(&self) -> bool {
+        self.drafts.is_empty() && self.constraint.is_none() && self.sampler.is_plain_greedy()
+    }
+
+    /// Delivers `token`, the argmax of this sequence's row from the batch's argmax (only when
+    /// [`Sequence::samples_plain_argmax`]): what `verify` would deliver, without its launches and
+    /// read-back for this sequence alone.
+    pub fn deliver_argmax(&mut self, token: TokenId) {
+        self.sampler.count_argmax();
+        self.deliver(token, None);
+    }
+
     /// Samples each forwarded row's logits (`logits.get(first + i)`) in turn with this
     /// sequence's sampler and delivers the token, going on while it equals the next draft; then
     /// takes the rejected drafts' keys and values back out of the cache.

@@ -8,6 +8,7 @@ use crate::graph_decode::{use_static_decode, GraphDecoder};
 use crate::scheduler::{self, Plan, SeqView};
 use crate::seq::{SeqRequest, Sequence};
 use crate::spec::{DraftModelProposer, NgramProposer, SpecConfig};
+use candle_core::Tensor;
 use ferrolm_kv::{PromptCache, PromptCacheStats, SeqCache};
 use ferrolm_models::{CausalLm, SeqInput};
 use std::collections::VecDeque;
@@ -316,15 +317,35 @@ impl<'a> Batch<'a> {
             return Ok(());
         }
         let logits = self.model.project_logits(&hidden)?;
+        let argmax = self.batch_argmax(&logits, plan)?;
         let mut first = 0;
         for &(i, n) in &plan.decode {
             let seq = &mut self.running[i];
-            if let Err(e) = seq.verify(&logits, first) {
-                seq.fail(e.to_string());
+            match &argmax {
+                Some(tokens) if seq.samples_plain_argmax() => seq.deliver_argmax(tokens[first + n - 1]),
+                _ => {
+                    if let Err(e) = seq.verify(&logits, first) {
+                        seq.fail(e.to_string());
+                    }
+                }
             }
             first += n;
         }
         Ok(())
+    }
+
+    /// On a device, when two or more sequences take a plain argmax: every decode row's argmax
+    /// in one launch and one read-back (else each sequence samples its own row: launches and a
+    /// read-back per sequence).
+    fn batch_argmax(&self, logits: &Tensor, plan: &Plan) -> candle_core::Result<Option<Vec<u32>>> {
+        if logits.device().is_cpu() {
+            return Ok(None);
+        }
+        let plain = plan.decode.iter().filter(|&&(i, _)| self.running[i].samples_plain_argmax()).count();
+        if plain < 2 {
+            return Ok(None);
+        }
+        ferrolm_backend::ops::argmax_rows(logits)?.map(|t| t.to_vec1::<u32>()).transpose()
     }
 
     /// One plain greedy sequence alone, already decoding, on a device with a captured step:

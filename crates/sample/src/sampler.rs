@@ -144,6 +144,13 @@ impl Sampler {
         self.step = step;
     }
 
+    /// Counts a step whose token the engine took from an argmax over the whole batch (a plain
+    /// greedy step needs nothing else from the sampler; the count keeps the step numbering
+    /// that seeded draws and resumption use).
+    pub fn skip_step(&mut self) {
+        self.step += 1;
+    }
+
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0
     }

@@ -721,6 +721,51 @@ ATTN_INSTANCE(float, f32, 64, ATTN_MAX_G, )
 ATTN_INSTANCE(float, f32, 128, ATTN_MAX_G, )
 ATTN_INSTANCE(float, f32, 256, ATTN_MAX_G, )
 
+// A batch of decode rows, one token of each of B sequences, each over its own cache buffers
+// (`[Hkv, capacity, D]`, capacity > its position): blockIdx.z is the sequence. Per sequence,
+// `seqs` holds BATCH_FIELDS 64-bit words: K buffer, V buffer, head stride (elements), position,
+// and the offset of its first partial row (its partial rows are hq * nsplit from there). The
+// sequence's new key and value (k_new, v_new `[B, Hkv, D]`, unrotated) are rotated and written
+// at its position, q (`[B, Hq, D]`, unrotated) rotated, and keys 0..=position attended: one
+// launch for the whole batch instead of rope, append and attention per sequence. Each (sequence,
+// kv head, split) item is exactly the single-sequence kernel's, so a row's output does not
+// depend on the rest of the batch. Grid: (hkv, the largest nsplit, B); items past a sequence's
+// own nsplit return at once.
+#define BATCH_FIELDS 5
+template <typename T, int D, int MG>
+__device__ void attn_decode_batch(const T* q, const long long* seqs, const float* cos_t, const float* sin_t, int G,
+                                  int hkv, int window, float scale, float softcap, int interleaved, float* part_m,
+                                  float* part_l, float* part_acc, const T* k_new, const T* v_new, unsigned* counters,
+                                  T* out) {
+  const long long* p = seqs + (size_t)blockIdx.z * BATCH_FIELDS;
+  long qpos = (long)p[3];
+  int s_max = (int)(qpos + 1);
+  int nsplit = (s_max + ATTN_CHUNK - 1) / ATTN_CHUNK;
+  if ((int)blockIdx.y >= nsplit) return;
+  __shared__ AttnShared<D, MG> S;
+  size_t b = blockIdx.z, hq = (size_t)hkv * G, part = (size_t)p[4];
+  attn_item<T, D, MG, MERGE_BATCH>(q + b * hq * D, reinterpret_cast<T*>(p[0]), reinterpret_cast<T*>(p[1]), cos_t, sin_t,
+                                   qpos, G, (long)p[2], 0, s_max, window, scale, softcap, interleaved, part_m + part,
+                                   part_l + part, part_acc + part * D, k_new + b * hkv * D, v_new + b * hkv * D,
+                                   counters + b * hkv, out + b * hq * D, blockIdx.x, blockIdx.y, nsplit,
+                                   AttnGroup{(int)threadIdx.x, 0}, S, [&] { pdl_prologue(); });
+}
+#define ATTN_BATCH_INSTANCE(T, NAME, D, MG, SUFFIX)                                                                  \
+  extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) fl_attn_batch_##NAME##_d##D##SUFFIX(   \
+      const T* q, const long long* seqs, const float* c, const float* s, int G, int hkv, int win, float scale,        \
+      float cap, int inter, float* pm, float* pl, float* pa, const T* kn, const T* vn, unsigned* cnt, T* out) {       \
+    attn_decode_batch<T, D, MG>(q, seqs, c, s, G, hkv, win, scale, cap, inter, pm, pl, pa, kn, vn, cnt, out);         \
+  }
+ATTN_BATCH_INSTANCE(bf16, bf16, 64, ATTN_MAX_G, )
+ATTN_BATCH_INSTANCE(bf16, bf16, 128, ATTN_MAX_G, )
+ATTN_BATCH_INSTANCE(bf16, bf16, 256, ATTN_MAX_G, )
+ATTN_BATCH_INSTANCE(bf16, bf16, 64, 4, _g4)
+ATTN_BATCH_INSTANCE(bf16, bf16, 128, 4, _g4)
+ATTN_BATCH_INSTANCE(bf16, bf16, 256, 4, _g4)
+ATTN_BATCH_INSTANCE(float, f32, 64, ATTN_MAX_G, )
+ATTN_BATCH_INSTANCE(float, f32, 128, ATTN_MAX_G, )
+ATTN_BATCH_INSTANCE(float, f32, 256, ATTN_MAX_G, )
+
 // ---------------------------------------------------------------------------------------------
 // silu(gate) * up, elementwise.
 template <typename T>
@@ -1103,6 +1148,32 @@ extern "C" __global__ void __launch_bounds__(256) fl_argmax_final(const float* p
     dst[0] = idx == 0x7fffffff ? 0u : (unsigned)idx;
     if (advance) advance[0] += 1u;
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The argmax of each row of f32 `x [rows, n]` (first index on ties, NaN never chosen; 0 for a row
+// of NaN), as fl_argmax_partial / fl_argmax_final per row: grid (parts, rows), then (rows).
+extern "C" __global__ void __launch_bounds__(256) fl_argmax_rows_partial_f32(const float* x, float* pv, int* pi, int n, int per) { pdl_prologue();
+  const float* row = x + (size_t)blockIdx.y * n;
+  int lo = blockIdx.x * per, hi = min(n, lo + per);
+  float best = -INFINITY;
+  int idx = 0x7fffffff;
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    float v = row[i];
+    if (argmax_better(v, i, best, idx)) { best = v; idx = i; }
+  }
+  argmax_block(&best, &idx);
+  if (threadIdx.x == 0) { pv[blockIdx.y * gridDim.x + blockIdx.x] = best; pi[blockIdx.y * gridDim.x + blockIdx.x] = idx; }
+}
+extern "C" __global__ void __launch_bounds__(256) fl_argmax_rows_final(const float* pv, const int* pi, unsigned* dst, int parts) { pdl_prologue();
+  const float* v = pv + (size_t)blockIdx.x * parts;
+  const int* ix = pi + (size_t)blockIdx.x * parts;
+  float best = -INFINITY;
+  int idx = 0x7fffffff;
+  for (int i = threadIdx.x; i < parts; i += blockDim.x)
+    if (argmax_better(v[i], ix[i], best, idx)) { best = v[i]; idx = ix[i]; }
+  argmax_block(&best, &idx);
+  if (threadIdx.x == 0) dst[blockIdx.x] = idx == 0x7fffffff ? 0u : (unsigned)idx;
 }
 
 // ---------------------------------------------------------------------------------------------

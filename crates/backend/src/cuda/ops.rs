@@ -207,6 +207,97 @@ pub fn attend_decode(a: &DecodeAttention<'_>) -> Result<Option<Tensor>> {
     Ok(Some(out))
 }
 
+/// One decode row of each of B sequences against each one's own cache buffers, in one launch
+/// (`fl_attn_batch_*`): q `[B, Hq, D]`, k and v `[B, Hkv, D]` (all unrotated, contiguous), and
+/// per sequence its whole buffers `[Hkv, capacity, D]` and its position (capacity > position).
+/// The new key (rotated) and value are written at each position; returns `[B, Hq·D]`, each row
+/// bit-identical to that sequence's single-row [`attend_decode`] with rope and append.
+pub struct DecodeBatch<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub buffers: &'a [(Tensor, Tensor)],
+    pub positions: &'a [usize],
+    pub rope: RopeTables<'a>,
+    pub params: &'a AttentionParams,
+}
+
+pub fn attend_decode_batch(a: &DecodeBatch<'_>) -> Result<Option<Tensor>> {
+    let Some((dev, sfx)) = on(a.q) else { return Ok(None) };
+    let (Ok((b, hq, d)), Ok((bk, hkv, dk))) = (a.q.dims3(), a.k.dims3()) else { return Ok(None) };
+    let dtype = a.q.dtype();
+    let inputs_ok = bk == b
+        && dk == d
+        && b == a.buffers.len()
+        && b == a.positions.len()
+        && matches!(d, 64 | 128 | 256)
+        && hkv > 0
+        && hq % hkv == 0
+        && hq / hkv <= ATTN_MAX_G
+        && a.k.dtype() == dtype
+        && a.v.dtype() == dtype
+        && a.v.dims() == a.k.dims()
+        && a.k.is_contiguous()
+        && a.v.is_contiguous()
+        && f32_on_device(a.rope.cos)
+        && f32_on_device(a.rope.sin);
+    if !inputs_ok {
+        return Ok(None);
+    }
+    // Per sequence: K, V, head stride, position, first partial row (see kernels.cu).
+    let mut fields: Vec<i64> = Vec::with_capacity(b * 5);
+    let (mut rows, mut most) = (0usize, 0usize);
+    for ((kc, vc), &pos) in a.buffers.iter().zip(a.positions) {
+        let buffer_ok = |t: &Tensor| -> Result<bool> {
+            let ok = t.dtype() == dtype && cuda_device(t).is_some() && t.is_contiguous() && t.dims3().is_ok_and(|(h, cap, dd)| h == hkv && dd == d && cap > pos);
+            Ok(ok && ptr(t)? % 16 == 0)
+        };
+        if !buffer_ok(kc)? || !buffer_ok(vc)? {
+            return Ok(None);
+        }
+        let nsplit = (pos + 1).div_ceil(ATTN_CHUNK);
+        fields.extend([ptr(kc)? as i64, ptr(vc)? as i64, kc.stride()[0] as i64, pos as i64, rows as i64]);
+        rows += hq * nsplit;
+        most = most.max(nsplit);
+    }
+    let seqs = Tensor::from_vec(fields, b * 5, a.q.device())?;
+    let part_m = alloc(&dev, rows, DType::F32)?;
+    let part_l = alloc(&dev, rows, DType::F32)?;
+    let part_acc = alloc(&dev, rows * d, DType::F32)?;
+    let counters = Tensor::zeros(b * hkv, DType::U32, a.q.device())?;
+    let out = alloc(&dev, (b, hq * d), dtype)?;
+    let p = a.params;
+    let g4 = if dtype == DType::BF16 && hq / hkv <= 4 { "_g4" } else { "" };
+    launch!(
+        dev, &format!("fl_attn_batch_{sfx}_d{d}{g4}"), (hkv as u32, most as u32, b as u32), 128,
+        ptr(a.q)?, ptr(&seqs)?, ptr(a.rope.cos)?, ptr(a.rope.sin)?, (hq / hkv) as i32, hkv as i32,
+        p.window.unwrap_or(0) as i32, p.scale, p.softcap.unwrap_or(0.0), a.rope.interleaved as i32,
+        ptr(&part_m)?, ptr(&part_l)?, ptr(&part_acc)?, ptr(a.k)?, ptr(a.v)?, ptr(&counters)?, ptr(&out)?
+    );
+    Ok(Some(out))
+}
+
+/// The argmax of each row of f32 logits `[rows, n]` (first index on ties, as the host sampler's
+/// argmax): a `[rows]` u32 tensor on the device, in two launches for all rows.
+pub fn argmax_rows(logits: &Tensor) -> Result<Option<Tensor>> {
+    if !policy().kernels || !f32_on_device(logits) {
+        return Ok(None);
+    }
+    let Ok((rows, n)) = logits.dims2() else { return Ok(None) };
+    if rows == 0 || n == 0 {
+        return Ok(None);
+    }
+    let dev = cuda_device(logits).unwrap();
+    let parts = n.div_ceil(2048).clamp(1, 256);
+    let per = n.div_ceil(parts);
+    let best = alloc(&dev, rows * parts, DType::F32)?;
+    let index = alloc(&dev, rows * parts, DType::U32)?;
+    let out = alloc(&dev, rows, DType::U32)?;
+    launch!(dev, "fl_argmax_rows_partial_f32", (parts as u32, rows as u32, 1), 256, ptr(logits)?, ptr(&best)?, ptr(&index)?, n as i32, per as i32);
+    launch!(dev, "fl_argmax_rows_final", (rows as u32, 1, 1), 256, ptr(&best)?, ptr(&index)?, ptr(&out)?, parts as i32);
+    Ok(Some(out))
+}
+
 /// silu(gate) · up, elementwise.
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Option<Tensor>> {
     if let Some(out) = silu_mul_rows(gate, up)? {

@@ -2,7 +2,7 @@ use super::{BatchRows, FusedLinear};
 use crate::RowKind;
 use candle_core::{Result, Tensor};
 use ferrolm_backend::attention::{attend_decode_batch, attend_prompt_quant, DecodeQuery, Positions};
-use ferrolm_backend::attention_device::{append_and_attend, StaticStep};
+use ferrolm_backend::attention_device::{append_and_attend, append_and_attend_batch, has_kernels, StaticStep};
 use ferrolm_backend::norm::RmsNorm;
 use ferrolm_backend::{AttentionParams, Linear, Rope, RowInput};
 use ferrolm_kv::KvCache;
@@ -40,10 +40,15 @@ impl SelfAttention {
             (Some(qn), Some(kn)) => (qn.forward(&q)?, kn.forward(&k)?),
             _ => (q, k),
         };
-        // Each sequence's queries, rotated, and the keys and values it attends over (its new
-        // ones appended to its cache).
+        // The leading one-token decode rows in one launch where the device has the kernel.
+        let (mut outs, done) = match self.decode_batch_on_device(&q, &k, &v, rows, caches)? {
+            Some((out, n)) => (vec![out], n),
+            None => (Vec::new(), 0),
+        };
+        // Each other sequence's queries, rotated, and the keys and values it attends over (its
+        // new ones appended to its cache).
         let mut seqs = Vec::with_capacity(rows.spans.len());
-        for (span, cache) in rows.spans.iter().zip(caches.iter_mut()) {
+        for (span, cache) in rows.spans.iter().zip(caches.iter_mut()).skip(done) {
             let part = |t: &Tensor| t.narrow(0, span.row, span.len);
             let qs = self.rope.apply(&part(&q)?, span.position)?;
             let ks = self.rope.apply(&part(&k)?, span.position)?;
@@ -51,8 +56,7 @@ impl SelfAttention {
             let pos = Positions { query_start: span.position, key_start: kv.key_start };
             seqs.push((qs, kv, pos));
         }
-        let decode = rows.spans.iter().take_while(|s| s.kind == RowKind::Decode).count();
-        let mut outs = Vec::with_capacity(1 + rows.spans.len() - decode);
+        let decode = rows.spans[done..].iter().take_while(|s| s.kind == RowKind::Decode).count();
         if decode > 0 {
             let queries: Vec<DecodeQuery> = seqs[..decode].iter().map(|(q, kv, pos)| DecodeQuery { q, k: &kv.k, v: &kv.v, quant: kv.quant, pos: *pos }).collect();
             outs.push(attend_decode_batch(&queries, &self.cfg.params)?);
@@ -81,6 +85,46 @@ impl SelfAttention {
         };
         let step = StaticStep { q: &q, k: &k, v: &v, rope: &self.rope, cache_k, cache_v, pos, params: &c.params };
         self.o.forward_row(RowInput::Plain(&append_and_attend(&step)?), Some(x))
+    }
+
+    /// On a device with the batched decode kernel (CUDA): the leading one-token decode spans,
+    /// two or more, rotated, appended to their caches' whole buffers and attended in one launch
+    /// instead of several launches per sequence. Returns their output rows and how many spans
+    /// they were; None (nothing written) on CPU, for one sequence, or when a cache keeps no
+    /// whole buffers (sliding windows, quantized KV).
+    fn decode_batch_on_device(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        rows: &BatchRows,
+        caches: &mut [&mut dyn KvCache],
+    ) -> Result<Option<(Tensor, usize)>> {
+        if !has_kernels(q.device()) {
+            return Ok(None);
+        }
+        let n = rows.spans.iter().take_while(|s| s.kind == RowKind::Decode && s.len == 1).count();
+        if n < 2 {
+            return Ok(None);
+        }
+        let mut buffers = Vec::with_capacity(n);
+        for (span, cache) in rows.spans[..n].iter().zip(caches.iter_mut()) {
+            if cache.offset() != span.position {
+                return Ok(None);
+            }
+            match cache.static_buffers(1)? {
+                Some(b) => buffers.push(b),
+                None => return Ok(None),
+            }
+        }
+        let positions: Vec<usize> = rows.spans[..n].iter().map(|s| s.position).collect();
+        let first = |t: &Tensor| t.narrow(0, 0, n);
+        let out = append_and_attend_batch(&first(q)?, &first(k)?, &first(v)?, &buffers, &positions, &self.rope, &self.cfg.params)?;
+        let Some(out) = out else { return Ok(None) };
+        for cache in caches[..n].iter_mut() {
+            cache.commit_static(1)?;
+        }
+        Ok(Some((out, n)))
     }
 
     /// The Q, K and V projections' outputs `[tokens, ·]` split into heads.

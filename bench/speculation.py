@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Speculative decoding over HTTP, one machine, one run: decode tok/s of plain decoding against
-prompt lookup (n-gram drafts), for ferrolm and for llama.cpp's llama-server on the same GGUF, on
+prompt lookup (n-gram drafts) and, with --draft-model, a draft model, for ferrolm and for
+llama.cpp's llama-server on the same GGUFs, on
 
 (a) a code edit: the model rewrites a ~200-line Python file given in the prompt with one
     change (most of the answer repeats the prompt: where prompt lookup guesses well), and
@@ -9,7 +10,12 @@ prompt lookup (n-gram drafts), for ferrolm and for llama.cpp's llama-server on t
 Greedy; each system's answer with speculation must equal its answer without (ferrolm's does by
 construction). Decode tok/s = answer tokens after the first / time from the first to the last.
 
-    python bench/speculation.py [--model PATH] [--llama-server PATH] [--out bench/results]
+    python bench/speculation.py [--model PATH] [--draft-model PATH] [--llama-server PATH]
+                                [--name speculation] [--out bench/results]
+
+e.g. the default model with Qwen2.5-Coder-0.5B drafting for it:
+    python bench/speculation.py --model ~/.cache/ferrolm/models/qwen2.5-coder-1.5b-instruct.gguf \
+        --draft-model ~/.cache/ferrolm/models/qwen2.5-coder-0.5b-instruct-Q4_K_M.gguf --llama-server PATH
 """
 import argparse
 import json
@@ -98,24 +104,41 @@ def private_copy(path):
     return str(dst)
 
 
+def systems_for(a):
+    """Each system's server command for a port: ferrolm and llama-server, plain and speculating."""
+    fl = lambda p: [BIN, "serve", "--model", a.model, "--port", str(p)]
+    systems = {
+        "ferrolm": fl,
+        "ferrolm ngram": lambda p: fl(p) + ["--draft-kind", "ngram", "--num-draft-tokens", str(a.drafts)],
+    }
+    if a.draft_model:
+        systems["ferrolm draft"] = lambda p: fl(p) + ["--draft-model", a.draft_model, "--num-draft-tokens", str(a.draft_tokens)]
+    if a.llama_server:
+        base = lambda p: [a.llama_server, "-m", a.model, "-t", "2", "-c", "8192", "--port", str(p), "--host", "127.0.0.1"]
+        systems["llama-server"] = base
+        systems["llama-server ngram"] = lambda p: base(p) + ["--spec-type", "ngram-simple", "--spec-draft-n-max", str(a.drafts)]
+        if a.draft_model:
+            systems["llama-server draft"] = lambda p: base(p) + ["-md", a.draft_model, "--spec-type", "draft-simple",
+                                                                 "--spec-draft-n-max", str(a.draft_tokens)]
+    return systems
+
+
 def main():
     global BIN
     BIN = private_copy(BIN)
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(MODELS / "qwen2.5-coder-0.5b-instruct-Q4_K_M.gguf"))
+    ap.add_argument("--draft-model", help="a GGUF of the model's tokenizer that drafts for it (both servers)")
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
-    ap.add_argument("--drafts", type=int, default=8)
+    ap.add_argument("--drafts", type=int, default=8, help="prompt lookup's drafts per step at most")
+    ap.add_argument("--draft-tokens", type=int, default=8, help="the draft model's drafts per step at most")
+    ap.add_argument("--only", help="comma-separated systems to run (the others are left out)")
+    ap.add_argument("--name", default="speculation", help="results file name (NAME.md, NAME.json)")
     ap.add_argument("--out", default=str(ROOT / "bench/results"))
     a = ap.parse_args()
-    systems = {
-        "ferrolm": lambda p: [BIN, "serve", "--model", a.model, "--port", str(p)],
-        "ferrolm ngram": lambda p: [BIN, "serve", "--model", a.model, "--port", str(p), "--draft-kind", "ngram",
-                                    "--num-draft-tokens", str(a.drafts)],
-    }
-    if a.llama_server:
-        base = lambda p: [a.llama_server, "-m", a.model, "-t", "2", "-c", "8192", "--port", str(p), "--host", "127.0.0.1"]
-        systems["llama-server"] = base
-        systems["llama-server ngram"] = lambda p: base(p) + ["--spec-type", "ngram-simple", "--spec-draft-n-max", str(a.drafts)]
+    systems = systems_for(a)
+    if a.only:
+        systems = {k: v for k, v in systems.items() if k in a.only.split(",")}
     rows = []
     for name, cmd in systems.items():
         proc, url = start(cmd)
@@ -132,23 +155,35 @@ def main():
     write(rows, a, Path(a.out))
 
 
+def load_average():
+    try:
+        return open("/proc/loadavg").read().split()[0]
+    except OSError:
+        return "?"
+
+
 def write(rows, a, out):
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": Path(a.model).name, "drafts": a.drafts,
+            "draft_model": a.draft_model and Path(a.draft_model).name, "draft_tokens": a.draft_tokens,
+            "load_average_1min_at_end": load_average(), "cpus": os.cpu_count(),
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "speculation.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / f"{a.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     by = {(r["system"], r["workload"]): r for r in rows}
     lines = [f"# Speculative decoding over HTTP ({meta['date']}, commit {meta['commit']})", "",
-             f"`python bench/speculation.py`: {meta['model']}, greedy, up to {a.drafts} drafts per step. "
-             "Decode tok/s; × plain = the same system without speculation; same answer = the text equals that system's plain answer.", "",
+             f"`python bench/speculation.py`: {meta['model']}, greedy; prompt lookup up to {a.drafts} drafts per step"
+             + (f", draft model {meta['draft_model']} up to {a.draft_tokens}" if a.draft_model else "") + ". "
+             "Decode tok/s; × plain = the same system without speculation; same answer = the text equals that system's plain answer. "
+             f"{meta['cpus']} CPUs, 1-minute load average {meta['load_average_1min_at_end']} at the end "
+             "(the systems run one after another: compare ratios, not absolute rates, when it is above the CPU count).", "",
              "| workload | system | decode tok/s | × plain | same answer | drafted / accepted |", "|---|---|---|---|---|---|"]
     for r in rows:
-        plain = by.get((r["system"].replace(" ngram", ""), r["workload"]))
+        plain = by.get((r["system"].split(" ")[0], r["workload"]))
         ratio = r["decode_tps"] / plain["decode_tps"] if plain and plain["decode_tps"] else 0
         spec = (r["usage"] or {}).get("speculation") or {}
         lines.append(f"| {r['workload']} | {r['system']} | {r['decode_tps']:.1f} | {ratio:.2f} | "
                      f"{'yes' if plain and plain['text'] == r['text'] else 'NO'} | {spec.get('drafted', '—')} / {spec.get('accepted', '—')} |")
-    (out / "speculation.md").write_text("\n".join(lines) + "\n")
+    (out / f"{a.name}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

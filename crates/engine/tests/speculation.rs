@@ -154,3 +154,143 @@ fn a_draft_model_gives_plain_decoding_s_output() {
         }
     }
 }
+
+/// One sequence's generated tokens and its speculation counters.
+#[derive(Default)]
+struct Draws {
+    tokens: Vec<u32>,
+    drafted: usize,
+    accepted: usize,
+}
+
+struct DrawSink(Rc<RefCell<Draws>>);
+
+impl Sink for DrawSink {
+    fn token(&mut self, e: TokenEvent) -> Flow {
+        self.0.borrow_mut().tokens.push(e.token);
+        Flow::Continue
+    }
+
+    fn finish(&mut self, outcome: Result<GenerationStats, String>) {
+        let s = outcome.unwrap();
+        let mut d = self.0.borrow_mut();
+        (d.drafted, d.accepted) = (s.drafted_tokens, s.accepted_tokens);
+    }
+}
+
+/// Probabilities of `logits` (f32) with `bias` added to token `biased`, at temperature 1.
+fn target_probs(logits: &[f32], biased: u32, bias: f32) -> Vec<f64> {
+    let z: Vec<f64> = logits.iter().enumerate().map(|(i, &l)| (l + if i as u32 == biased { bias } else { 0.0 }) as f64).collect();
+    let max = z.iter().cloned().fold(f64::MIN, f64::max);
+    let e: Vec<f64> = z.iter().map(|v| (v - max).exp()).collect();
+    let sum: f64 = e.iter().sum();
+    e.iter().map(|v| v / sum).collect()
+}
+
+/// Pearson's statistic of `counts` against `probs` (bins expected below 5 merged into one) and
+/// its degrees of freedom.
+fn chi_square(counts: &[usize], probs: &[f64]) -> (f64, usize) {
+    let n: usize = counts.iter().sum();
+    let (mut stat, mut bins, mut rest_obs, mut rest_exp) = (0.0, 0, 0.0, 0.0);
+    for (&c, &p) in counts.iter().zip(probs) {
+        let expected = p * n as f64;
+        if expected < 5.0 {
+            (rest_obs, rest_exp) = (rest_obs + c as f64, rest_exp + expected);
+        } else {
+            stat += (c as f64 - expected).powi(2) / expected;
+            bins += 1;
+        }
+    }
+    if rest_exp > 0.0 {
+        stat += (rest_obs - rest_exp).powi(2) / rest_exp;
+        bins += 1;
+    }
+    (stat, bins - 1)
+}
+
+/// The chi-square quantile at p = 1e-4 (Wilson–Hilferty; z = 3.719).
+fn critical(df: usize) -> f64 {
+    let k = df as f64;
+    k * (1.0 - 2.0 / (9.0 * k) + 3.719 * (2.0 / (9.0 * k)).sqrt()).powi(3)
+}
+
+/// The logits of the next token after `context` (plain decoding: prompt rows, then one decode row).
+fn next_logits(model: &dyn CausalLm, context: &[u32]) -> Vec<f32> {
+    let mut cache = model.make_cache();
+    let (last, head) = context.split_last().unwrap();
+    model.forward_hidden(&mut [ferrolm_models::SeqInput::prompt(head, &mut cache)]).unwrap();
+    let hidden = model.forward_hidden(&mut [ferrolm_models::SeqInput::decode(&[*last], &mut cache)]).unwrap();
+    model.project_logits(&hidden).unwrap().get(0).unwrap().to_vec1().unwrap()
+}
+
+/// Sampled speculation keeps the target's distribution: 20,000 seeded draws at temperature 1
+/// on a fixed context whose prompt lookup drafts token `DRAFT` (the prompt repeats "5 6", which
+/// was followed by 7), the draft made likely by a logit bias so that both outcomes are common.
+/// The first token's counts against the target's probabilities, and the second token's counts
+/// after an accepted draft (sampled from the verify forward's second row) against the target's
+/// probabilities given that draft, by Pearson's chi-square at p = 1e-4. A tiny random-weight
+/// llama (tests/fixtures/tiny/llama3), so that the draws take seconds.
+#[test]
+fn sampled_speculation_keeps_the_target_distribution() {
+    const DRAWS: u64 = 20_000;
+    const DRAFT: u32 = 7;
+    const BIAS: f32 = 5.5;
+    let path = repo_root().join("tests/fixtures/tiny/llama3/model-f16.gguf");
+    let model = ferrolm_models::load(&ferrolm_models::ModelSource::open(&path).unwrap(), &candle_core::Device::Cpu).unwrap();
+    let model = model.as_ref();
+    let vocab = model.info().vocab_size;
+    let prompt: Vec<u32> = vec![5, 6, DRAFT, 8, 5, 6];
+    let sp = |seed| SamplingParams { temperature: 1.0, seed: Some(seed), logit_bias: vec![(DRAFT, BIAS)], ..Default::default() };
+    let cfg = BatchConfig { max_batch_tokens: 4096, max_seqs: 512, kv_budget_bytes: 1 << 30, prompt_cache_bytes: 0 };
+    let sampler_cfg = SamplerConfig { vocab_size: vocab, ..Default::default() };
+    let (mut first, mut second) = (vec![0usize; vocab], vec![0usize; vocab]);
+    let (mut drafted, mut accepted) = (0, 0);
+    for chunk in (0..DRAWS).collect::<Vec<_>>().chunks(500) {
+        let mut batch = Batch::new(model, cfg, Default::default());
+        batch.set_speculation(Some(SpecConfig { max_drafts: 4, ngram_min: 2, ngram_max: 2 }));
+        let outs: Vec<_> = chunk.iter().map(|_| Rc::new(RefCell::new(Draws::default()))).collect();
+        for (&seed, out) in chunk.iter().zip(&outs) {
+            let req = SeqRequest {
+                prompt: prompt.clone(),
+                params: GenerateParams { max_tokens: 2, sampling: sp(seed), ..Default::default() },
+                eos_ids: vec![],
+                cancel: CancelToken::new(),
+                sampler: Box::new(Sampler::new(&sp(seed), &sampler_cfg).unwrap()),
+                sink: Box::new(DrawSink(out.clone())),
+                constraint: None,
+            };
+            batch.add(req, model.make_cache());
+        }
+        while !batch.is_idle() {
+            batch.step(&|| false);
+        }
+        for out in outs {
+            let d = out.borrow();
+            first[d.tokens[0] as usize] += 1;
+            if d.tokens[0] == DRAFT {
+                second[d.tokens[1] as usize] += 1;
+            }
+            (drafted, accepted) = (drafted + d.drafted, accepted + d.accepted);
+        }
+    }
+    assert_eq!(drafted as u64, DRAWS, "every sequence verified one draft");
+    assert_eq!(accepted, first[DRAFT as usize], "a draft is kept exactly when the draw equals it");
+    let p1 = target_probs(&next_logits(model, &prompt), DRAFT, BIAS);
+    let p2 = target_probs(&next_logits(model, &[prompt.clone(), vec![DRAFT]].concat()), DRAFT, BIAS);
+    let (s1, df1) = chi_square(&first, &p1);
+    let (s2, df2) = chi_square(&second, &p2);
+    eprintln!("first token: chi2 {s1:.1} (df {df1}, limit {:.1}); after the accepted draft ({accepted} draws): chi2 {s2:.1} (df {df2}, limit {:.1}); p(draft) {:.3}", critical(df1), critical(df2), p1[DRAFT as usize]);
+    assert!(accepted > 2_000 && accepted < 18_000, "both outcomes common: {accepted} accepted");
+    assert!(s1 < critical(df1), "first token: chi2 {s1:.1} over {:.1} (df {df1})", critical(df1));
+    assert!(s2 < critical(df2), "second token: chi2 {s2:.1} over {:.1} (df {df2})", critical(df2));
+    // The test can fail: keeping the draft whenever either of two draws equals it (a wrong rule)
+    // shifts its probability from p to 1 − (1 − p)², which these many draws see.
+    let p = p1[DRAFT as usize];
+    let wrong: Vec<usize> = p1
+        .iter()
+        .enumerate()
+        .map(|(i, &q)| (DRAWS as f64 * if i as u32 == DRAFT { 1.0 - (1.0 - p).powi(2) } else { q * (1.0 - p) }).round() as usize)
+        .collect();
+    let (sw, dfw) = chi_square(&wrong, &p1);
+    assert!(sw > critical(dfw), "a wrong rule's expected counts pass too: chi2 {sw:.1}");
+}

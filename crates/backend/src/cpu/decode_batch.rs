@@ -384,5 +384,6 @@ mod speed {
         rate::<formats::Q4_1>("Q4_1", 3072, 576);
         rate::<formats::Q8_0>("Q8_0", 3072, 576);
         rate::<formats::Q4K>("Q4_K", 1792, 1024);
+        rate::<formats::Q5_0>("Q5_0", 4864, 896);
     }
 }

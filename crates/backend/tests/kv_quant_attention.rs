@@ -1,6 +1,8 @@
 //! Attention over quantized KV rows (`kv_quant`): every CPU kernel that reads them directly
 //! (decode, tiled prefill, the decode batch) gives what the reference composition gives over
-//! the dequantized f32 rows, and the batch gives each sequence the bits it gets alone.
+//! the dequantized f32 rows, and the batch gives each sequence the bits it gets alone. These
+//! run with exact activations (the float q·k path); the int8 query path (`cpu::decode_q8`) is
+//! checked in `kv_quant_int8`.
 
 use candle_core::{DType, Device, Tensor};
 use ferrolm_backend::attention::{attend_decode_batch, attend_generic, attend_prompt_quant, attend_quant, AttentionParams, DecodeQuery, Positions};
@@ -31,6 +33,7 @@ fn kv(q: KvQuant, hkv: usize, s: usize, d: usize) -> (Tensor, Tensor, Tensor, Te
 
 #[allow(clippy::too_many_arguments)]
 fn check(q: KvQuant, d: usize, t: usize, hq: usize, hkv: usize, s: usize, pos: Positions, window: Option<usize>, prompt: bool) {
+    ferrolm_backend::cpu::set_exact_activations(true);
     let qt = Tensor::randn(0f32, 1.0, (t, hq, d), &Device::Cpu).unwrap();
     let (k, v, kf, vf) = kv(q, hkv, s, d);
     let p = AttentionParams { scale: 1.0 / (d as f32).sqrt(), window, softcap: None };
@@ -69,6 +72,7 @@ fn few_rows_read_quantized_rows() {
 /// for bit; a sequence's rows being verified equal decoding them one at a time.
 #[test]
 fn quantized_decode_batch_equals_each_alone() {
+    ferrolm_backend::cpu::set_exact_activations(true);
     let dev = Device::Cpu;
     let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let p = AttentionParams { scale: 0.125, window: None, softcap: None };
@@ -114,7 +118,8 @@ fn mismatched_rows_are_errors() {
 
 /// Decode attention time per token over f16 and quantized caches at 512, 4k and 16k keys,
 /// Llama-3.1-8B's shape (32 query heads, 8 kv heads, head_dim 128) and Qwen2.5-0.5B's (14, 2,
-/// 64). Timing, not a check: `cargo test --release -p ferrolm-backend --test kv_quant_attention
+/// 64). Quantized kinds run twice: with the int8 query on VNNI (`decode_q8`, the default) and
+/// with exact activations (`f32 q·k`). Timing, not a check: `cargo test --release -p ferrolm-backend --test kv_quant_attention
 /// -- --ignored --nocapture decode_attention_speed`.
 #[test]
 #[ignore = "timing; run by hand (docs/kv_quant.md)"]
@@ -131,11 +136,16 @@ fn decode_attention_speed() {
             let f16 = x.to_dtype(DType::F16).unwrap();
             let formats = [KvQuant::new(8, 32).unwrap(), KvQuant::new(8, 32).unwrap().with_rotation(false), KvQuant::new(4, 32).unwrap()];
             let rows: Vec<Tensor> = formats.iter().map(|qf| quantize(*qf, &x).unwrap()).collect();
-            let kinds: Vec<(&Tensor, Option<KvQuant>)> = [(&f16, None)].into_iter().chain(rows.iter().zip(formats).map(|(r, f)| (r, Some(f)))).collect();
+            // (rows, format, exact activations)
+            let mut kinds: Vec<(&Tensor, Option<KvQuant>, bool)> = vec![(&f16, None, false)];
+            for exact in [false, true] {
+                kinds.extend(rows.iter().zip(formats).map(|(r, f)| (r, Some(f), exact)));
+            }
             // The busy machine: rounds alternate the kinds, and each kind's best round counts.
             let mut best = vec![f64::INFINITY; kinds.len()];
             for _ in 0..7 {
-                for (b, (k, quant)) in best.iter_mut().zip(&kinds) {
+                for (b, (k, quant, exact)) in best.iter_mut().zip(&kinds) {
+                    ferrolm_backend::cpu::set_exact_activations(*exact);
                     let run = || attend_quant(&q, k, k, *quant, pos, &p(d)).unwrap();
                     run();
                     let t = Instant::now();
@@ -146,8 +156,9 @@ fn decode_attention_speed() {
                 }
             }
             let mut line = format!("{name} s={s:>5}: f16 {:>8.1} µs", best[0]);
-            for (f, us) in formats.iter().zip(&best[1..]) {
-                line += &format!(" | {} {us:>8.1} µs ({:.2}× f16)", f.name(), us / best[0]);
+            for ((_, f, exact), us) in kinds.iter().zip(&best).skip(1) {
+                let how = if *exact { " f32 q·k" } else { "" };
+                line += &format!(" | {}{how} {us:>8.1} µs ({:.2}× f16)", f.unwrap().name(), us / best[0]);
             }
             println!("{line}");
         }

@@ -78,6 +78,14 @@ pub trait Rows: Copy + Sync {
         [0.0; MAX_GROUPS]
     }
 
+    /// Raw q·k of the query heads `q` (`[G, d]`) with keys `lo..lo + n` of kv head `h` into
+    /// `out[g * n + j]` by a kernel made for these rows reading each row once for all G heads;
+    /// false where there is none (then [`Rows::dot`] runs per head and key).
+    fn dots_all_heads(&self, q: &[f32], h: usize, lo: usize, n: usize, out: &mut [f32]) -> bool {
+        let _ = (q, h, lo, n, out);
+        false
+    }
+
     /// q·row over `d` values: one 16-lane FMA chain of q with the widened values, then summed.
     ///
     /// # Safety
@@ -129,6 +137,15 @@ impl<E: Elem> Rows for Kv<'_, E> {
 impl Rows for QKv<'_> {
     type Row = *const u8;
 
+    /// Int8 query · codes on VNNI (`decode_q8`), unless activations are kept exact.
+    fn dots_all_heads(&self, q: &[f32], h: usize, lo: usize, n: usize, out: &mut [f32]) -> bool {
+        let run = super::decode_q8::wanted() && super::decode_q8::supports(self.d, q.len() / self.d);
+        if run {
+            super::decode_q8::dots(self, q, h, lo, n, out);
+        }
+        run
+    }
+
     /// The query's sum over each group (the bias term of q·k is bias × that sum).
     fn prepare_query(&self, q: &[f32]) -> [f32; MAX_GROUPS] {
         let mut sums = [0f32; MAX_GROUPS];
@@ -160,7 +177,9 @@ impl Rows for QKv<'_> {
     fn row_at(&self, head: usize, token: usize, _d: usize) -> *const u8 {
         self.row(head, token).as_ptr()
     }
-    /// The 64 values with each group's scale and bias widened once (not per 16 values).
+    /// The 64 values with each group's scale and bias widened once (not per 16 values), read
+    /// as one fused multiply-add `code·scale + bias` (a rounding fewer than `dequantize_row`'s
+    /// product then sum; this runs once per key row for all query heads of its kv head).
     #[inline(always)]
     unsafe fn load64(&self, row: *const u8, col: usize) -> [__m512; 4] {
         let q = self.quant;
@@ -175,7 +194,7 @@ impl Rows for QKv<'_> {
                 let sb = _mm_cvtph_ps(_mm_cvtsi32_si128((params.add(4 * group) as *const i32).read_unaligned()));
                 (scale, bias) = (_mm512_broadcastss_ps(sb), _mm512_broadcastss_ps(_mm_movehdup_ps(sb)));
             }
-            *o = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(self.codes16(row, c)), scale), bias);
+            *o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(self.codes16(row, c)), scale, bias);
         }
         out
     }
@@ -339,13 +358,15 @@ unsafe fn item_avx512<R: Rows>(c: &DecodeCall<R>, h: usize, lo: usize, hi: usize
     let stride = partial_len(d);
     let q = &c.q[h * group * d..(h + 1) * group * d];
     // Scores, each head's maximum.
+    let dotted = c.k.dots_all_heads(q, h, lo, n, &mut scores[..group * n]);
     for g in 0..group {
         let qg = q[g * d..].as_ptr();
         let row = &mut scores[g * n..(g + 1) * n];
         let mut max = f32::NEG_INFINITY;
-        let prep = c.k.prepare_query(&q[g * d..(g + 1) * d]);
+        let prep = if dotted { [0.0; MAX_GROUPS] } else { c.k.prepare_query(&q[g * d..(g + 1) * d]) };
         for (j, s) in row.iter_mut().enumerate() {
-            let mut x = c.k.dot(c.k.row_at(h, lo + j, d), qg, d, &prep) * c.scale;
+            let dot = if dotted { *s } else { c.k.dot(c.k.row_at(h, lo + j, d), qg, d, &prep) };
+            let mut x = dot * c.scale;
             if let Some(cap) = c.softcap {
                 x = (x / cap).tanh() * cap;
             }

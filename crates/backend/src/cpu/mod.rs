@@ -15,6 +15,8 @@ pub mod attn;
 mod decode_batch;
 #[cfg(target_arch = "x86_64")]
 pub mod decode_attn;
+#[cfg(target_arch = "x86_64")]
+pub mod decode_q8;
 pub mod formats;
 pub mod kv_rows;
 pub mod math;

@@ -5,6 +5,9 @@
 //! exactly what decoding one token at a time gives — the same tokens, logprobs and seeded
 //! draws — and only the number of forwards changes).
 
+mod gate;
+
+use gate::{DraftGate, DraftMode};
 use ferrolm_core::TokenId;
 
 /// Guesses continuations of a token history.
@@ -96,20 +99,33 @@ mod tests {
 
 /// A small model of the same vocabulary guesses greedily: its own cache follows the sequence
 /// (realigned to the tokens kept after each verification, the new ones forwarded), then it
-/// decodes up to `max` tokens one at a time.
+/// decodes up to `max` tokens one at a time. Prompt lookup goes first where it matches (free
+/// guesses, and on text that repeats its input better ones), and a `DraftGate` measures whether
+/// the model's guesses pay for their cost on this sequence, resting the model while they do not.
 pub struct DraftModelProposer<'a> {
     model: &'a dyn ferrolm_models::CausalLm,
     cache: ferrolm_kv::SeqCache,
     /// The tokens whose keys and values `cache` holds.
     cached: Vec<TokenId>,
+    /// Prompt lookup tried first, and the gate that rests the model (None: the model alone).
+    lookup: Option<(NgramProposer, DraftGate)>,
 }
 
 impl<'a> DraftModelProposer<'a> {
+    /// Prompt lookup (n-grams of 4 down to 2 tokens: a longer match than plain lookup's
+    /// default asks, since the model's guess is the alternative) where it matches, the model
+    /// where the gate finds that it pays: what `--draft-model` runs.
     pub fn new(model: &'a dyn ferrolm_models::CausalLm) -> Self {
-        Self { model, cache: model.make_cache(), cached: Vec::new() }
+        let lookup = NgramProposer::new(&SpecConfig::default());
+        Self { lookup: Some((lookup, DraftGate::default())), ..Self::model_only(model) }
     }
 
-    /// The cache holding `tokens` (a prefix of it kept, the rest forwarded as prompt rows).
+    /// The model's guesses alone, every step.
+    pub fn model_only(model: &'a dyn ferrolm_models::CausalLm) -> Self {
+        Self { model, cache: model.make_cache(), cached: Vec::new(), lookup: None }
+    }
+
+    /// The cache holding `tokens` (a prefix of it kept, the rest forwarded).
     fn follow(&mut self, tokens: &[TokenId]) -> candle_core::Result<()> {
         let common = self.cached.iter().zip(tokens).take_while(|(a, b)| a == b).count();
         let extra = self.cached.len() - common;
@@ -118,10 +134,12 @@ impl<'a> DraftModelProposer<'a> {
             return self.follow(tokens);
         }
         self.cached.truncate(common);
-        // The prompt goes in as prompt rows; later tokens (those the target decoded) as decode
-        // rows, as the target computed them, so that a draft of the same weights guesses exactly
-        // what the target would.
-        let as_prompt = common == 0;
+        // The prompt, and long stretches the model did not draft (while prompt lookup guessed
+        // or the model rested), go in as prompt rows (the prefill products: several times
+        // cheaper per row); the token or two a verification adds as decode rows, as the
+        // target computed them, so that a draft of the same weights guesses exactly what the
+        // target would.
+        let as_prompt = common == 0 || tokens.len() - common > DECODE_CATCH_UP;
         for chunk in tokens[common..].chunks(DRAFT_CHUNK) {
             let input = match as_prompt {
                 true => ferrolm_models::SeqInput::prompt(chunk, &mut self.cache),
@@ -148,11 +166,21 @@ impl<'a> DraftModelProposer<'a> {
     }
 }
 
+/// Catch-ups longer than this go in as prompt rows (see `DraftModelProposer::follow`).
+const DECODE_CATCH_UP: usize = 4;
+
 /// Prompt rows the draft model forwards at a time while it catches up with a sequence.
 const DRAFT_CHUNK: usize = 512;
 
 impl Proposer for DraftModelProposer<'_> {
     fn propose(&mut self, history: &[TokenId], max: usize) -> Vec<TokenId> {
+        if let Some((lookup, gate)) = self.lookup.as_mut() {
+            let mode = gate.next(history.len());
+            let found = lookup.propose(history, max);
+            if !found.is_empty() || mode == DraftMode::Lookup {
+                return found;
+            }
+        }
         if max == 0 || history.is_empty() {
             return Vec::new();
         }

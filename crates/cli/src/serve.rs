@@ -127,9 +127,14 @@ pub struct Args {
     /// cpu, cuda, cuda:N or auto.
     #[arg(long, default_value = "auto")]
     device: String,
-    /// Not supported yet (refused).
+    /// mlx_lm.server's one adapter for every request: refused; mount adapters with --adapter
+    /// and name them per request.
     #[arg(long)]
     adapter_path: Option<String>,
+    /// Mounts the PEFT LoRA folder DIR (adapter_config.json, adapter_model.safetensors) as NAME
+    /// (repeatable); a request runs with it when it names it in `"adapter"` (`"a+b"` stacks).
+    #[arg(long = "adapter", value_name = "NAME=DIR")]
+    adapters: Vec<String>,
     /// A draft model for speculative decoding (a GGUF file or folder sharing the model's
     /// tokenizer; checked at load): it guesses, the model verifies several guesses per forward.
     #[arg(long)]
@@ -275,7 +280,7 @@ impl Args {
     fn refuse_unsupported(&self) -> CliResult<()> {
         let changed = |v: Option<usize>, default: usize| v.is_some_and(|v| v != default);
         let refused = [
-            ("--adapter-path", self.adapter_path.is_some(), "adapters"),
+            ("--adapter-path", self.adapter_path.is_some(), "one adapter for every request; mount adapters with --adapter NAME=DIR and name them per request"),
             ("--quantized-kv-start", changed(self.quantized_kv_start, 5000), "a float KV cache before N tokens"),
             ("--prompt-concurrency", changed(self.prompt_concurrency, 8), "a cap on prompts prefilled together; prompts share each step's --max-batch-tokens"),
             ("--prompt-cache-size", changed(self.prompt_cache_size, 10), "a cap on prompt cache entries; use --prompt-cache-bytes"),
@@ -350,6 +355,7 @@ pub fn run(args: Args) -> CliResult<()> {
     args.apply_threads();
     let template_override = args.template_override()?;
     let mut bundle = load(&args)?;
+    mount_adapters(&args.adapters, &bundle)?;
     let sampling = args.sampling(&bundle.generation)?;
     let context_length = args.context_length(bundle.model.info().context_length)?;
     if let Some(src) = &template_override {
@@ -382,6 +388,19 @@ pub fn run(args: Args) -> CliResult<()> {
     app.durable = args.durability(&app.bundle().path)?;
     let state = Arc::new(app);
     listen(&args, state, start)
+}
+
+/// `--adapter NAME=DIR`, each mounted on the model (checked against it).
+pub(crate) fn mount_adapters(specs: &[String], bundle: &bundle::Bundle) -> CliResult<()> {
+    for spec in specs {
+        let Some((name, dir)) = spec.split_once('=') else {
+            return Err(CliError::usage(format!("--adapter {spec}: expected NAME=DIR")));
+        };
+        let adapter = ferrolm_models::lora::mount(bundle.model.as_ref(), name, std::path::Path::new(dir))
+            .map_err(|e| CliError::usage(format!("--adapter {spec}: {e}")))?;
+        bundle.adapters.insert(adapter).map_err(|e| CliError::usage(format!("--adapter {spec}: {e}")))?;
+    }
+    Ok(())
 }
 
 impl Args {

@@ -82,6 +82,9 @@ pub struct GenerateParams {
     /// Whether the server's speculative decoding may run for this request (`"speculative":
     /// false` opts out); the output is the same either way.
     pub speculative: bool,
+    /// The LoRA adapters to run with, as the request names them (`a`, `a+b`); None (or `none`):
+    /// the base model. Resolved against the mounted adapters when the sequence starts.
+    pub adapter: Option<String>,
 }
 
 impl Default for GenerateParams {
@@ -93,6 +96,7 @@ impl Default for GenerateParams {
             prefill_chunk: 2048,
             snapshot_at: None,
             speculative: true,
+            adapter: None,
         }
     }
 }

@@ -25,6 +25,8 @@ pub struct Bundle {
     /// Sampling defaults from `generation_config.json` (empty for GGUF files): they sit between
     /// the server's built-in defaults and a request's own values.
     pub generation: GenerationConfig,
+    /// LoRA adapters mounted on the model (`--adapter`, `POST /v1/adapters`), by name.
+    pub adapters: ferrolm_models::lora::Adapters,
 }
 
 /// Loads `path` (or the default model) on `device` (`auto`, `cpu`, `cuda[:N]`).
@@ -104,6 +106,7 @@ pub fn load_with_progress(
         template,
         eos_ids,
         generation,
+        adapters: Default::default(),
     })
 }
 

@@ -10,6 +10,8 @@ use crate::Flow;
 use candle_core::Tensor;
 use ferrolm_core::{CancelToken, FinishReason, GenerateParams, GenerationStats, TokenEvent, TokenId};
 use ferrolm_kv::SeqCache;
+use ferrolm_models::lora::LoraStack;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Where a sequence's tokens and its end go.
@@ -74,6 +76,8 @@ pub struct Sequence<'a> {
     /// Rows of the step in flight that were delivered before it (the last one's logits are
     /// the first to sample).
     pending_rows: usize,
+    /// The LoRA adapters its rows run with (`GenerateParams::adapter`, resolved).
+    lora: Option<Arc<LoraStack>>,
 }
 
 impl<'a> Sequence<'a> {
@@ -105,6 +109,7 @@ impl<'a> Sequence<'a> {
             spec: SpecStats::default(),
             constraint: req.constraint,
             pending_rows: 1,
+            lora: None,
         };
         if seq.tokens.is_empty() {
             seq.fail("the prompt is empty".into());
@@ -177,6 +182,15 @@ impl<'a> Sequence<'a> {
         }
     }
 
+    /// Runs every row with `lora` from now on (set before the first forward).
+    pub fn set_lora(&mut self, lora: Option<Arc<LoraStack>>) {
+        self.lora = lora;
+    }
+
+    pub fn lora(&self) -> Option<&Arc<LoraStack>> {
+        self.lora.as_ref()
+    }
+
     pub fn speculates(&self) -> bool {
         self.proposer.is_some()
     }
@@ -213,8 +227,9 @@ impl<'a> Sequence<'a> {
     /// unless the sequence failed: what the prompt cache may keep.
     pub fn prompt_rows(&self) -> Option<Vec<TokenId>> {
         // A prompt cut short (cancelled mid-prompt) is kept too: its rows are as valid.
+        // Rows computed with adapters are not kept: the prompt cache is keyed by tokens only.
         let n = self.prefill_len.saturating_sub(1).min(self.cache.offset());
-        (self.failure.is_none() && n > 0).then(|| self.tokens[..n].to_vec())
+        (self.failure.is_none() && n > 0 && self.lora.is_none()).then(|| self.tokens[..n].to_vec())
     }
 
     /// Whether its followers can start: its prompt but the last token is in the cache.
@@ -244,7 +259,7 @@ impl<'a> Sequence<'a> {
         self.rows.clear();
         self.rows.extend_from_slice(&self.tokens[start..]);
         self.rows.extend_from_slice(&self.drafts);
-        ferrolm_models::SeqInput::decode(&self.rows, &mut self.cache)
+        ferrolm_models::SeqInput::decode(&self.rows, &mut self.cache).with_lora(self.lora.clone())
     }
 
     /// Whether this step's token is the plain argmax of its last row (no drafts, no constraint,

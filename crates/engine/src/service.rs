@@ -253,6 +253,7 @@ impl Worker {
     fn run(self, jobs: Receiver<Job>) {
         let model = self.bundle.model.as_ref();
         let mut batch = Batch::new(model, self.cfg.batch, self.cfg.graph);
+        batch.set_adapters(&self.bundle.adapters);
         match (&self.cfg.draft, self.cfg.spec) {
             (Some(draft), Some(spec)) => batch.set_draft_model(draft.model.as_ref(), spec),
             (_, spec) => batch.set_speculation(spec),

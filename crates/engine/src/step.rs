@@ -10,8 +10,10 @@ use crate::seq::{SeqRequest, Sequence};
 use crate::spec::{DraftModelProposer, NgramProposer, SpecConfig};
 use candle_core::Tensor;
 use ferrolm_kv::{PromptCache, PromptCacheStats, SeqCache};
+use ferrolm_models::lora::{Adapters, LoraStack, NONE};
 use ferrolm_models::{CausalLm, SeqInput};
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::panic::AssertUnwindSafe;
 
 /// The running and waiting sequences of one model, and the step that advances them.
@@ -30,6 +32,8 @@ pub struct Batch<'a> {
     /// Speculative decoding, when on: by prompt lookup, or by `draft` when set.
     spec: Option<SpecConfig>,
     draft: Option<&'a dyn CausalLm>,
+    /// The mounted LoRA adapters that requests name (`GenerateParams::adapter`).
+    adapters: Option<&'a Adapters>,
     next_id: u64,
 }
 
@@ -61,6 +65,7 @@ impl<'a> Batch<'a> {
             prompt_cache,
             spec: None,
             draft: None,
+            adapters: None,
             next_id: 0,
         }
     }
@@ -75,6 +80,12 @@ impl<'a> Batch<'a> {
     pub fn set_draft_model(&mut self, draft: &'a dyn CausalLm, spec: SpecConfig) {
         self.draft = Some(draft);
         self.set_speculation(Some(spec));
+    }
+
+    /// Resolves the adapters that requests added from now on name in `adapters` (without it a
+    /// request naming one fails).
+    pub fn set_adapters(&mut self, adapters: &'a Adapters) {
+        self.adapters = Some(adapters);
     }
 
     /// Writes the prompt cache's entries to `disk` too, and finds entries there (also those of
@@ -137,8 +148,18 @@ impl<'a> Batch<'a> {
     fn sequence(&mut self, req: SeqRequest<'a>, cache: SeqCache) -> Sequence<'a> {
         let id = self.next_id;
         self.next_id += 1;
-        let cache = self.cached_prefix(&req.prompt, cache);
+        let lora = self.resolve_adapter(req.params.adapter.as_deref());
+        // Cached prefixes hold the base model's keys and values: a sequence with adapters
+        // computes its whole prompt (and its rows are not kept, `Sequence::prompt_rows`).
+        let cache = match lora {
+            Ok(None) => self.cached_prefix(&req.prompt, cache),
+            _ => cache,
+        };
         let mut seq = Sequence::new(id, req, cache);
+        match lora {
+            Ok(lora) => seq.set_lora(lora),
+            Err(e) => seq.fail(e),
+        }
         if let Some(spec) = &self.spec {
             let proposer: Box<dyn crate::spec::Proposer + 'a> = match self.draft {
                 Some(model) => Box::new(DraftModelProposer::new(model)),
@@ -150,6 +171,16 @@ impl<'a> Batch<'a> {
             seq.fail(format!("the request needs {} cache tokens, more than the KV budget of {}", seq.max_kv_tokens(), self.kv_budget));
         }
         seq
+    }
+
+    /// A request's adapters (`GenerateParams::adapter`) among the mounted ones; an unknown name
+    /// (unmounted since the request was checked) is an error for that request.
+    fn resolve_adapter(&self, spec: Option<&str>) -> Result<Option<Arc<LoraStack>>, String> {
+        match (spec, self.adapters) {
+            (None, _) | (Some(NONE), _) => Ok(None),
+            (Some(spec), Some(adapters)) => adapters.resolve(spec),
+            (Some(spec), None) => Err(format!("unknown adapter {spec:?}: this engine has no adapters")),
+        }
     }
 
     /// `cache`, or when it is empty a copy of the longest prefix of `prompt` in the prompt cache.
@@ -355,7 +386,7 @@ impl<'a> Batch<'a> {
         let [seq] = &mut self.running[..] else { return false };
         // One pending token: a resumed sequence first forwards its saved tokens as one decode row.
         let one_pending = matches!(seq.want(), scheduler::Want::Decode { pending: 1, .. });
-        let decoding = one_pending && seq.generated() > 0 && !seq.speculates() && !seq.is_constrained();
+        let decoding = one_pending && seq.generated() > 0 && !seq.speculates() && !seq.is_constrained() && seq.lora().is_none();
         if !self.waiting.is_empty() || !decoding || !seq.is_plain_greedy() || !use_static_decode(self.model, &self.graph) {
             return false;
         }
@@ -397,8 +428,8 @@ impl<'a> Sequence<'a> {
     fn input(&mut self, rows: Rows) -> SeqInput<'_> {
         match rows {
             Rows::Prompt(n) => {
-                let start = self.cache.offset();
-                SeqInput::prompt(&self.tokens[start..start + n], &mut self.cache)
+                let (start, lora) = (self.cache.offset(), self.lora().cloned());
+                SeqInput::prompt(&self.tokens[start..start + n], &mut self.cache).with_lora(lora)
             }
             Rows::Decode(n) => self.decode_input(n),
         }

@@ -8,6 +8,7 @@ pub mod gemma3;
 pub mod layers;
 pub mod llama;
 pub mod loader;
+pub mod lora;
 mod model;
 pub mod paths;
 pub mod qwen2;

@@ -4,6 +4,7 @@
 
 use crate::layers::{self, fused_decode_step, Activation, Embedding, FusedLinear, GatedMlp, MoeMlp, Routing, SelfAttention, SelfAttentionConfig, SharedExpert};
 use crate::loader::{gguf::GgufFile, WeightSource};
+use crate::lora::LoraBase;
 use crate::{CausalLm, ModelInfo, SeqInput};
 use candle_core::{DType, Device, Result, Tensor};
 use ferrolm_backend::norm::RmsNorm;
@@ -148,10 +149,12 @@ enum Ffn {
 }
 
 impl Ffn {
-    fn forward(&self, x: &Tensor, decode_rows: usize) -> Result<Tensor> {
+    /// Layer `layer`'s block over `x`; LoRA adapters apply to dense MLPs only (the base refuses
+    /// adapters for expert layers when they are mounted).
+    fn forward(&self, x: &Tensor, rows: &layers::BatchRows, layer: usize) -> Result<Tensor> {
         match self {
-            Ffn::Dense(m) => m.forward(x, decode_rows),
-            Ffn::Sparse(m) => m.forward(x, decode_rows),
+            Ffn::Dense(m) => m.forward_adapted(x, rows, layer),
+            Ffn::Sparse(m) => m.forward(x, rows.decode_rows),
         }
     }
 
@@ -344,6 +347,27 @@ fn as_matrix(mut w: ferrolm_backend::Weight) -> ferrolm_backend::Weight {
     w
 }
 
+/// A layer's dense linears as `(in, out)` in `Target` order (q, k, v, o, gate, up, down); the
+/// MLP's are None on an expert layer.
+fn lora_shapes(hidden: usize, layer: &Layer) -> [Option<(usize, usize)>; 7] {
+    let widths = |f: &FusedLinear| -> Vec<usize> {
+        match f {
+            FusedLinear::Stacked { widths, .. } => widths.clone(),
+            FusedLinear::Separate(parts) => parts.iter().map(Linear::out_features).collect(),
+        }
+    };
+    let qkv = widths(&layer.attn.qkv);
+    let attn = [(hidden, qkv[0]), (hidden, qkv[1]), (hidden, qkv[2]), (qkv[0], layer.attn.o.out_features())].map(Some);
+    let mlp = match &layer.mlp {
+        Ffn::Dense(m) => {
+            let gu = widths(&m.gate_up);
+            [(hidden, gu[0]), (hidden, gu[1]), (gu[1], m.down.out_features())].map(Some)
+        }
+        Ffn::Sparse(_) => [None; 3],
+    };
+    [attn[0], attn[1], attn[2], attn[3], mlp[0], mlp[1], mlp[2]]
+}
+
 impl CausalLm for Llama {
     fn info(&self) -> &ModelInfo {
         &self.info
@@ -384,12 +408,19 @@ impl CausalLm for Llama {
                 batch.iter_mut().map(|s| s.cache.layer(i)).collect();
             let h = layer
                 .attn
-                .forward(&layer.attn_norm.forward(&x)?, &rows, &mut caches)?;
+                .forward_adapted(&layer.attn_norm.forward(&x)?, &rows, &mut caches, Some(i))?;
             x = (x + h)?;
-            let h = layer.mlp.forward(&layer.ffn_norm.forward(&x)?, rows.decode_rows)?;
+            let h = layer.mlp.forward(&layer.ffn_norm.forward(&x)?, &rows, i)?;
             x = (x + h)?;
         }
         rows.decode_part(&x, |h| self.norm.forward(h))
+    }
+
+    fn lora_base(&self) -> Option<LoraBase> {
+        let c = &self.cfg;
+        let layers = self.layers.iter().map(|l| lora_shapes(c.hidden_size, l)).collect();
+        let permute_qk = (c.rope_style == RopeStyle::Interleaved).then_some((c.num_attention_heads, c.num_key_value_heads));
+        Some(LoraBase { architecture: c.architecture.clone(), layers, permute_qk })
     }
 
     fn project_logits(&self, hidden: &Tensor) -> Result<Tensor> {

@@ -1,5 +1,7 @@
+use crate::lora::{LoraBase, LoraStack};
 use candle_core::{Device, Tensor};
 use ferrolm_kv::{KvScheme, SeqCache};
+use std::sync::Arc;
 
 /// Facts about a loaded model that the engine and server need.
 #[derive(Clone, Debug)]
@@ -21,6 +23,8 @@ pub struct SeqInput<'a> {
     pub tokens: &'a [u32],
     pub cache: &'a mut SeqCache,
     pub kind: RowKind,
+    /// The LoRA adapters these rows run with (`crate::lora`); None: the base model alone.
+    pub lora: Option<Arc<LoraStack>>,
 }
 
 /// What a sequence's rows are in a forward.
@@ -37,12 +41,18 @@ pub enum RowKind {
 impl<'a> SeqInput<'a> {
     /// Prompt rows: their keys and values go into the cache; nothing is returned for them.
     pub fn prompt(tokens: &'a [u32], cache: &'a mut SeqCache) -> Self {
-        Self { tokens, cache, kind: RowKind::Prompt }
+        Self { tokens, cache, kind: RowKind::Prompt, lora: None }
     }
 
     /// Decode rows: every token's final hidden state is returned.
     pub fn decode(tokens: &'a [u32], cache: &'a mut SeqCache) -> Self {
-        Self { tokens, cache, kind: RowKind::Decode }
+        Self { tokens, cache, kind: RowKind::Decode, lora: None }
+    }
+
+    /// The same rows run with `lora` added to the targeted linears.
+    pub fn with_lora(mut self, lora: Option<Arc<LoraStack>>) -> Self {
+        self.lora = lora;
+        self
     }
 }
 
@@ -61,6 +71,11 @@ pub trait CausalLm: Send + Sync {
             KvScheme::Float => Ok(()),
             KvScheme::Quant(_) => Err(format!("quantized KV is not implemented for {}", self.info().architecture)),
         }
+    }
+    /// The dense linears a LoRA adapter may target, to check adapters against when they are
+    /// mounted; None: this model does not take adapters (requests with one are refused then).
+    fn lora_base(&self) -> Option<LoraBase> {
+        None
     }
     /// Runs the new tokens of every sequence through the model, writing their keys and values
     /// into the caches, and returns the final hidden state (final norm applied) of every decode

@@ -1,4 +1,5 @@
 use super::{BatchRows, FusedLinear};
+use crate::lora::{self, Target};
 use crate::RowKind;
 use candle_core::{Result, Tensor};
 use ferrolm_backend::attention::{attend_decode_batch, attend_prompt_quant, DecodeQuery, Positions};
@@ -35,7 +36,25 @@ impl SelfAttention {
         rows: &BatchRows,
         caches: &mut [&mut dyn KvCache],
     ) -> Result<Tensor> {
-        let (q, k, v) = self.heads(self.qkv.forward_rows(x, rows.decode_rows)?, x.dims()[0])?;
+        self.forward_adapted(x, rows, caches, None)
+    }
+
+    /// [`SelfAttention::forward`] with each sequence's LoRA adapters (`rows.lora`) added to the
+    /// q/k/v/o products of decoder layer `layer` (None: no adapters).
+    pub fn forward_adapted(
+        &self,
+        x: &Tensor,
+        rows: &BatchRows,
+        caches: &mut [&mut dyn KvCache],
+        layer: Option<usize>,
+    ) -> Result<Tensor> {
+        let mut qkv = self.qkv.forward_rows(x, rows.decode_rows)?;
+        if let Some(i) = layer {
+            for (y, target) in qkv.iter_mut().zip([Target::Q, Target::K, Target::V]) {
+                *y = lora::apply(rows, i, target, x, y.clone())?;
+            }
+        }
+        let (q, k, v) = self.heads(qkv, x.dims()[0])?;
         let (q, k) = match (&self.q_norm, &self.k_norm) {
             (Some(qn), Some(kn)) => (qn.forward(&q)?, kn.forward(&k)?),
             _ => (q, k),
@@ -69,7 +88,11 @@ impl SelfAttention {
         } else {
             Tensor::cat(&outs, 0)?
         };
-        self.o.forward_rows(&attn, rows.decode_rows)
+        let y = self.o.forward_rows(&attn, rows.decode_rows)?;
+        match layer {
+            Some(i) => lora::apply(rows, i, Target::O, &attn, y),
+            None => Ok(y),
+        }
     }
 
     /// One token at the device position `pos`, its key and value written in place into the

@@ -1,5 +1,6 @@
 use candle_core::{Result, Tensor};
-use super::FusedLinear;
+use super::{BatchRows, FusedLinear};
+use crate::lora::{self, Target};
 use ferrolm_backend::norm::RmsNorm;
 use ferrolm_backend::{Linear, RowInput};
 
@@ -27,11 +28,30 @@ impl GatedMlp {
             .forward_rows(x, decode_rows)?
             .try_into()
             .map_err(|_| candle_core::Error::Msg("gate_up: expected two projections".into()))?;
-        let hidden = match self.activation {
-            Activation::Silu => ferrolm_backend::ops::silu_mul(&gate, &up)?,
-            Activation::GeluTanh => ferrolm_backend::ops::gelu_tanh_mul(&gate, &up)?,
-        };
+        let hidden = self.activate(&gate, &up)?;
         self.down.forward_rows(&hidden, decode_rows)
+    }
+
+    /// [`GatedMlp::forward`] with each sequence's LoRA adapters (`rows.lora`) added to the
+    /// gate/up/down products of decoder layer `layer`.
+    pub fn forward_adapted(&self, x: &Tensor, rows: &BatchRows, layer: usize) -> Result<Tensor> {
+        let [gate, up]: [Tensor; 2] = self
+            .gate_up
+            .forward_rows(x, rows.decode_rows)?
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("gate_up: expected two projections".into()))?;
+        let gate = lora::apply(rows, layer, Target::Gate, x, gate)?;
+        let up = lora::apply(rows, layer, Target::Up, x, up)?;
+        let hidden = self.activate(&gate, &up)?;
+        let y = self.down.forward_rows(&hidden, rows.decode_rows)?;
+        lora::apply(rows, layer, Target::Down, &hidden, y)
+    }
+
+    fn activate(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        match self.activation {
+            Activation::Silu => ferrolm_backend::ops::silu_mul(gate, up),
+            Activation::GeluTanh => ferrolm_backend::ops::gelu_tanh_mul(gate, up),
+        }
     }
 
     /// One decode row: returns `x + down(act(gate(n)) * up(n))` with `n = norm(x)`, the norm

@@ -33,6 +33,8 @@ pub struct Span {
 pub struct BatchRows {
     pub spans: Vec<Span>,
     pub decode_rows: usize,
+    /// Each span's LoRA adapters (`crate::lora::apply`).
+    pub lora: Vec<Option<std::sync::Arc<crate::lora::LoraStack>>>,
 }
 
 impl BatchRows {
@@ -52,7 +54,8 @@ impl BatchRows {
             row += span.len;
             spans.push(span);
         }
-        Ok(Self { spans, decode_rows })
+        let lora = batch.iter().map(|s| s.lora.clone()).collect();
+        Ok(Self { spans, decode_rows, lora })
     }
 
     /// Every token id of the batch in row order.

@@ -40,7 +40,7 @@ macro_rules! sampling {
           "repetition_penalty", "repetition_context_size", "presence_penalty", "presence_context_size",
           "frequency_penalty", "frequency_context_size", "xtc_probability", "xtc_threshold",
           "logit_bias", "seed", "stop", "logprobs", "top_logprobs", "n", "num_draft_tokens",
-          "speculative", "x_ferrolm_fault",
+          "speculative", "adapter", "x_ferrolm_fault",
           // Structured output (crate::structured).
           "response_format", "json_schema", "guided_json", "guided_regex", "guided_grammar", "guided_choice",
           "structured_outputs", "jump_forward", $($extra),*]
@@ -104,7 +104,7 @@ pub const MESSAGES: Schema = Schema {
     // The translator refuses container, mcp_servers and output_config.format itself.
     honoured: &[
         "model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
-        "tools", "tool_choice", "thinking", "container", "mcp_servers", "output_config", "x_ferrolm_fault",
+        "tools", "tool_choice", "thinking", "container", "mcp_servers", "output_config", "adapter", "x_ferrolm_fault",
     ],
     no_meaning: &[
         "metadata", "cache_control", "service_tier", "speed", "inference_geo", "diagnostics", "context_management",
@@ -120,7 +120,7 @@ pub const RESPONSES: Schema = Schema {
     honoured: &[
         "model", "input", "instructions", "tools", "tool_choice", "reasoning", "max_output_tokens", "temperature",
         "top_p", "stream", "previous_response_id", "store", "text", "truncation", "background", "conversation",
-        "prompt", "top_logprobs", "x_ferrolm_fault",
+        "prompt", "top_logprobs", "adapter", "x_ferrolm_fault",
     ],
     no_meaning: &[
         "include", "parallel_tool_calls", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",

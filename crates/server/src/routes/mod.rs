@@ -5,6 +5,7 @@
 //! checks, CORS, API key, bounded body); every response counted by endpoint and status; errors
 //! in OpenAI's shape (Anthropic's on its endpoints), also for unknown paths and methods.
 
+mod adapters;
 mod capability;
 pub(crate) mod chat;
 mod completions;
@@ -52,6 +53,8 @@ pub fn router(state: SharedState) -> Router {
         .route("/", get(page::chat))
         .route("/v1/models", get(models::list))
         .route("/v1/models/{*id}", get(models::one))
+        .route("/v1/adapters", get(adapters::list).post(adapters::mount))
+        .route("/v1/adapters/{name}", axum::routing::delete(adapters::unmount))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
@@ -161,6 +164,7 @@ fn launch_group(
     if injected_fault(state, body).as_deref() == Some("engine") {
         run.prompt.clear();
     }
+    let adapter = adapters::requested(state, body)?;
     let common = &run.common;
     let spec = |i: usize| {
         let mut sampling = common.sampling.clone();
@@ -170,6 +174,7 @@ fn launch_group(
             sampling,
             prefill_chunk: state.config.prefill_chunk,
             speculative: common.speculative,
+            adapter: adapter.clone(),
             ..Default::default()
         };
         let constraint = run.constraint.clone().map(|c| crate::structured::for_engine(c, common.jump_forward));

@@ -34,21 +34,29 @@ impl Default for SpecConfig {
 
 /// Prompt lookup (model-free): finds the most recent earlier occurrence of the history's last
 /// n tokens (n from `max_n` down to `min_n`) and proposes the tokens that followed it. Code
-/// edits and quoting repeat long stretches of the prompt, where this guesses well.
+/// edits and quoting repeat long stretches of the prompt, where this guesses well. A gate rests
+/// it on a sequence where its verified rows cost more than they save (`gate`).
 pub struct NgramProposer {
     min_n: usize,
     max_n: usize,
+    gate: Option<DraftGate>,
 }
 
 impl NgramProposer {
+    /// Lookup with the gate (what `--draft-kind ngram` runs).
     pub fn new(cfg: &SpecConfig) -> Self {
-        Self { min_n: cfg.ngram_min.max(1), max_n: cfg.ngram_max.max(cfg.ngram_min.max(1)) }
+        Self { gate: Some(DraftGate::default()), ..Self::ungated(cfg) }
+    }
+
+    /// Lookup on every step.
+    pub fn ungated(cfg: &SpecConfig) -> Self {
+        Self { min_n: cfg.ngram_min.max(1), max_n: cfg.ngram_max.max(cfg.ngram_min.max(1)), gate: None }
     }
 }
 
 impl Proposer for NgramProposer {
     fn propose(&mut self, history: &[TokenId], max: usize) -> Vec<TokenId> {
-        if max == 0 {
+        if self.gate.as_mut().is_some_and(|g| g.next(history.len()) == DraftMode::Lean) || max == 0 {
             return Vec::new();
         }
         for n in (self.min_n..=self.max_n).rev() {
@@ -116,7 +124,7 @@ impl<'a> DraftModelProposer<'a> {
     /// default asks, since the model's guess is the alternative) where it matches, the model
     /// where the gate finds that it pays: what `--draft-model` runs.
     pub fn new(model: &'a dyn ferrolm_models::CausalLm) -> Self {
-        let lookup = NgramProposer::new(&SpecConfig::default());
+        let lookup = NgramProposer::ungated(&SpecConfig::default());
         Self { lookup: Some((lookup, DraftGate::default())), ..Self::model_only(model) }
     }
 
@@ -177,7 +185,7 @@ impl Proposer for DraftModelProposer<'_> {
         if let Some((lookup, gate)) = self.lookup.as_mut() {
             let mode = gate.next(history.len());
             let found = lookup.propose(history, max);
-            if !found.is_empty() || mode == DraftMode::Lookup {
+            if !found.is_empty() || mode == DraftMode::Lean {
                 return found;
             }
         }

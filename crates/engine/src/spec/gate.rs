@@ -1,23 +1,27 @@
-//! Whether a sequence's draft model pays for itself, measured rather than assumed.
+//! Whether a sequence's drafting pays for itself, measured rather than assumed.
 //!
-//! On a CPU the draft is not free: each guessed token is a decode of the draft model (a 0.5B
-//! draft costs about 0.4 of a 1.5B target's decode on the 2-core dev machine) and each verified
-//! row adds about 0.3–0.5 of a decode to the target's forward (the multi-row products and the
-//! attention of every row are compute, not weight reads). Whether drafting wins depends on
-//! acceptance, which the text decides: high on an edit that copies its input, low in open chat.
-//! So the gate times both ways of drafting on the sequence itself — with the model, or by prompt
-//! lookup alone — in alternating phases of steps, and keeps the one that gave more tokens per
-//! second, trying the other again now and then (less often while it keeps losing).
+//! On a CPU drafts are not free: each verified row adds about 0.3–0.5 of a decode to the
+//! target's forward (the multi-row products and every row's attention are arithmetic, not
+//! weight reads, and a busy machine has less of it to spare), and a draft model's guess is a
+//! decode of the draft (a 0.5B draft costs about 0.4 of a 1.5B target's decode on the 2-core dev
+//! machine). Whether drafting wins depends on acceptance, which the text decides: high on an
+//! edit that copies its input, low in open chat. So the gate times two ways of drafting on the
+//! sequence itself — the proposer's full drafting and its lean fallback (the draft model: prompt
+//! lookup alone; prompt lookup: no drafts) — in alternating phases of steps, keeps the one that
+//! gave more tokens per second, and tries the other again now and then (less often while it
+//! keeps losing). Only speed depends on it: every emitted token is the sampler's own draw.
 
 use std::time::Instant;
 
 /// How the next drafts are made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DraftMode {
-    /// Prompt lookup where it matches, the draft model otherwise.
-    Model,
-    /// Prompt lookup alone (the model rests and its cache is not kept up).
-    Lookup,
+    /// The proposer's own drafting (the draft model: prompt lookup where it matches, the model
+    /// otherwise; prompt lookup: its matches).
+    Full,
+    /// The fallback (the draft model: prompt lookup alone, the model resting and its cache not
+    /// kept up; prompt lookup: no drafts).
+    Lean,
 }
 
 impl DraftMode {
@@ -27,8 +31,8 @@ impl DraftMode {
 
     fn other(self) -> Self {
         match self {
-            Self::Model => Self::Lookup,
-            Self::Lookup => Self::Model,
+            Self::Full => Self::Lean,
+            Self::Lean => Self::Full,
         }
     }
 }
@@ -70,7 +74,7 @@ pub struct DraftGate {
 impl Default for DraftGate {
     fn default() -> Self {
         Self {
-            mode: DraftMode::Model,
+            mode: DraftMode::Full,
             phase: Phase::Probe,
             left: PROBE_STEPS,
             exploit: EXPLOIT_STEPS,
@@ -124,7 +128,7 @@ impl DraftGate {
             _ => measured,
         });
         (self.secs, self.tokens) = (0.0, 0);
-        let (Some(model), Some(lookup)) = (self.rate[0], self.rate[1]) else {
+        let (Some(full), Some(lean)) = (self.rate[0], self.rate[1]) else {
             (self.mode, self.phase, self.left) = (self.mode.other(), Phase::Probe, PROBE_STEPS);
             return;
         };
@@ -132,7 +136,7 @@ impl DraftGate {
             (self.mode, self.phase, self.left) = (self.mode.other(), Phase::Probe, PROBE_STEPS);
             return;
         }
-        let best = if model >= lookup { DraftMode::Model } else { DraftMode::Lookup };
+        let best = if full >= lean { DraftMode::Full } else { DraftMode::Lean };
         self.exploit = match self.winner == Some(best) {
             true => (self.exploit * 2).min(MAX_EXPLOIT_STEPS),
             false => EXPLOIT_STEPS,
@@ -168,24 +172,24 @@ mod tests {
     #[test]
     fn keeps_the_faster_mode_and_tries_the_other_less_and_less() {
         let mut gate = DraftGate::default();
-        let modes = run(&mut gate, 1000, |m| if m == DraftMode::Lookup { 30.0 } else { 20.0 });
+        let modes = run(&mut gate, 1000, |m| if m == DraftMode::Lean { 30.0 } else { 20.0 });
         // The first probes: the model, then lookup.
-        assert!(modes[..PROBE_STEPS].iter().all(|&m| m == DraftMode::Model));
-        assert!(modes[PROBE_STEPS..2 * PROBE_STEPS].iter().all(|&m| m == DraftMode::Lookup));
-        let model = modes.iter().filter(|&&m| m == DraftMode::Model).count();
+        assert!(modes[..PROBE_STEPS].iter().all(|&m| m == DraftMode::Full));
+        assert!(modes[PROBE_STEPS..2 * PROBE_STEPS].iter().all(|&m| m == DraftMode::Lean));
+        let model = modes.iter().filter(|&&m| m == DraftMode::Full).count();
         assert!(model < 100, "the slower mode ran {model} of 1000 steps");
         // Later probes are rarer: the last 500 steps hold at most one probe.
-        let late = modes[500..].iter().filter(|&&m| m == DraftMode::Model).count();
+        let late = modes[500..].iter().filter(|&&m| m == DraftMode::Full).count();
         assert!(late <= PROBE_STEPS, "{late} model steps late");
     }
 
     #[test]
     fn follows_a_change_of_the_faster_mode() {
         let mut gate = DraftGate::default();
-        run(&mut gate, 200, |m| if m == DraftMode::Model { 40.0 } else { 20.0 });
-        assert_eq!(gate.mode(), DraftMode::Model);
+        run(&mut gate, 200, |m| if m == DraftMode::Full { 40.0 } else { 20.0 });
+        assert_eq!(gate.mode(), DraftMode::Full);
         // The text changes: the model's guesses stop being taken.
-        let modes = run(&mut gate, 400, |m| if m == DraftMode::Model { 10.0 } else { 20.0 });
-        assert_eq!(modes.last(), Some(&DraftMode::Lookup));
+        let modes = run(&mut gate, 400, |m| if m == DraftMode::Full { 10.0 } else { 20.0 });
+        assert_eq!(modes.last(), Some(&DraftMode::Lean));
     }
 }

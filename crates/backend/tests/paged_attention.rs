@@ -7,19 +7,19 @@ use candle_core::{DType, Device, Tensor};
 use ferrolm_backend::attention::{attend, attend_decode_batch, attend_decode_batch_paged, attend_paged, attend_prompt, AttentionParams, DecodeQuery, Positions};
 use ferrolm_backend::paged::BlockTable;
 
-/// Contiguous k `[hkv, s, d]` and the same rows in a pool `[blocks, hkv, bt, d]` whose other
+/// Contiguous k `[hkv, s, d]` and the same rows in a pool `[blocks, bt, hkv, d]` whose other
 /// blocks hold noise, at the blocks listed by the returned table (in scrambled order).
 fn paged_copy(k: &Tensor, bt: usize) -> (Tensor, BlockTable) {
     let (hkv, s, d) = k.dims3().unwrap();
     let used = s.div_ceil(bt);
     let pool_blocks = 2 * used + 3;
     let blocks: Vec<usize> = (0..used).map(|i| 2 * (used - 1 - i) + 1).collect();
-    let pool = Tensor::randn(0f32, 1.0, (pool_blocks, hkv, bt, d), &Device::Cpu).unwrap().to_dtype(k.dtype()).unwrap();
+    let pool = Tensor::randn(0f32, 1.0, (pool_blocks, bt, hkv, d), &Device::Cpu).unwrap().to_dtype(k.dtype()).unwrap();
     for (i, &b) in blocks.iter().enumerate() {
         let n = (s - i * bt).min(bt);
-        let rows = k.narrow(1, i * bt, n).unwrap().unsqueeze(0).unwrap().contiguous().unwrap();
+        let rows = k.narrow(1, i * bt, n).unwrap().transpose(0, 1).unwrap().unsqueeze(0).unwrap().contiguous().unwrap();
         let mut whole = pool.narrow(0, b, 1).unwrap().contiguous().unwrap();
-        whole = whole.slice_assign(&[0..1, 0..hkv, 0..n, 0..d], &rows).unwrap();
+        whole = whole.slice_assign(&[0..1, 0..n, 0..hkv, 0..d], &rows).unwrap();
         pool.slice_set(&whole, 0, b).unwrap();
     }
     (pool, BlockTable { blocks, block_tokens: bt, tokens: s })

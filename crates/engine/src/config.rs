@@ -95,3 +95,29 @@ pub fn default_kv_budget() -> usize {
     });
     available.map_or(4 << 30, |b| b / 2)
 }
+
+/// How full-attention layers hold keys and values (`--kv-layout`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvLayout {
+    /// One growing buffer per sequence and layer (`PlainCache`).
+    #[default]
+    Contiguous,
+    /// Blocks of `block_tokens` tokens in a pool per layer, shared between sequences by
+    /// reference (`ferrolm_kv::PagedCache`, docs/paged_kv.md). CPU only.
+    Paged { block_tokens: usize },
+}
+
+/// Tokens per block by default (docs/paged_kv.md: measured with `bench/paged_kv.sh`).
+pub const DEFAULT_BLOCK_TOKENS: usize = 32;
+
+impl KvLayout {
+    /// From `--kv-layout paged|contiguous` and `--kv-block-size` (16, 32 or 64).
+    pub fn from_flags(layout: &str, block_tokens: usize) -> Result<Self, String> {
+        match layout {
+            "contiguous" => Ok(Self::Contiguous),
+            "paged" if [16, 32, 64].contains(&block_tokens) => Ok(Self::Paged { block_tokens }),
+            "paged" => Err(format!("--kv-block-size {block_tokens}: expected 16, 32 or 64")),
+            other => Err(format!("--kv-layout {other}: expected paged or contiguous")),
+        }
+    }
+}

@@ -8,6 +8,7 @@ use crate::graph_decode::{use_static_decode, GraphDecoder};
 use crate::scheduler::{self, Plan, SeqView};
 use crate::seq::{SeqRequest, Sequence};
 use crate::spec::{DraftModelProposer, NgramProposer, SpecConfig};
+use paged_kv::PagedKv;
 use candle_core::Tensor;
 use ferrolm_kv::{PromptCache, PromptCacheStats, SeqCache};
 use ferrolm_models::lora::{Adapters, LoraStack, NONE};
@@ -15,6 +16,9 @@ use ferrolm_models::{CausalLm, SeqInput};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::panic::AssertUnwindSafe;
+
+#[path = "paged_kv.rs"]
+mod paged_kv;
 
 /// The running and waiting sequences of one model, and the step that advances them.
 pub struct Batch<'a> {
@@ -29,6 +33,8 @@ pub struct Batch<'a> {
     decoder: Option<GraphDecoder>,
     /// Prompt prefixes of finished sequences, reused by new ones (`--prompt-cache-bytes`).
     prompt_cache: Option<PromptCache>,
+    /// `--kv-layout paged`: block pools, and the block index that shares prompt prefixes.
+    paged: Option<PagedKv>,
     /// Speculative decoding, when on: by prompt lookup, or by `draft` when set.
     spec: Option<SpecConfig>,
     draft: Option<&'a dyn CausalLm>,
@@ -63,6 +69,7 @@ impl<'a> Batch<'a> {
             waiting: VecDeque::new(),
             decoder: None,
             prompt_cache,
+            paged: None,
             spec: None,
             draft: None,
             adapters: None,
@@ -96,6 +103,31 @@ impl<'a> Batch<'a> {
         }
     }
 
+    /// Holds the keys and values of sequences added from now on as `layout` says. Paged with
+    /// the prompt cache on, prefixes are kept as shared blocks (the copying prompt cache keeps
+    /// only its disk tier). Errors on a device the layout does not run on.
+    pub fn set_kv_layout(&mut self, layout: crate::config::KvLayout) -> Result<(), String> {
+        self.paged = match layout {
+            crate::config::KvLayout::Contiguous => None,
+            crate::config::KvLayout::Paged { block_tokens } => Some(PagedKv::new(self.model, block_tokens, self.cfg.prompt_cache_bytes)?),
+        };
+        if self.paged.as_ref().is_some_and(PagedKv::shares_prefixes) {
+            self.prompt_cache = self.prompt_cache.take().map(PromptCache::disk_only);
+        }
+        Ok(())
+    }
+
+    /// Blocks the paged layout's pools have in use over all layers, and their bytes (None when
+    /// contiguous).
+    pub fn paged_usage(&self) -> Option<(usize, usize)> {
+        self.paged.as_ref().map(PagedKv::usage)
+    }
+
+    /// A fresh cache for a sequence, in the configured layout.
+    fn fresh_cache(&self) -> SeqCache {
+        fresh_in(self.model, self.paged.as_ref())
+    }
+
     /// Waits for the prompt cache's queued disk writes.
     pub fn flush_prompt_cache(&mut self) {
         if let Some(pc) = self.prompt_cache.as_mut() {
@@ -105,6 +137,9 @@ impl<'a> Batch<'a> {
 
     /// The prompt cache's counters (None when it is off).
     pub fn prompt_cache_stats(&self) -> Option<PromptCacheStats> {
+        if let Some(stats) = self.paged.as_ref().and_then(|p| p.stats(self.prompt_cache.as_ref())) {
+            return Some(stats);
+        }
         self.prompt_cache.as_ref().map(PromptCache::stats)
     }
 
@@ -134,7 +169,7 @@ impl<'a> Batch<'a> {
         let mut reqs = reqs.into_iter();
         let mut leader = self.sequence(reqs.next().expect("at least one request"), cache);
         for req in reqs {
-            let mut follower = self.sequence(req, self.model.make_cache());
+            let mut follower = self.sequence(req, self.fresh_cache());
             if follower.tokens != leader.tokens {
                 follower.fail("the choices of one request must share its prompt".into());
             }
@@ -185,14 +220,23 @@ impl<'a> Batch<'a> {
 
     /// `cache`, or when it is empty a copy of the longest prefix of `prompt` in the prompt cache.
     fn cached_prefix(&mut self, prompt: &[u32], cache: SeqCache) -> SeqCache {
-        let Some(pc) = self.prompt_cache.as_mut().filter(|_| cache.offset() == 0) else { return cache };
-        let model = self.model;
-        match pc.take(prompt, &|| model.make_cache()) {
+        if cache.offset() != 0 {
+            return cache;
+        }
+        if let Some(paged) = self.paged.as_mut().filter(|p| p.shares_prefixes()) {
+            return paged.take(self.model, prompt, self.prompt_cache.as_mut()).unwrap_or_else(|| paged.fresh(self.model));
+        }
+        let (model, paged) = (self.model, self.paged.as_ref());
+        let fresh = || paged.map_or_else(|| model.make_cache(), |p| p.fresh(model));
+        let Some(pc) = self.prompt_cache.as_mut() else {
+            return if self.paged.is_some() { fresh() } else { cache };
+        };
+        match pc.take(prompt, &fresh) {
             Ok(Some(hit)) => hit.cache,
-            Ok(None) => self.model.make_cache(),
+            Ok(None) => fresh(),
             Err(e) => {
                 tracing::warn!("prompt cache: a hit could not be copied ({e}); computing the prompt");
-                self.model.make_cache()
+                self.fresh_cache()
             }
         }
     }
@@ -223,6 +267,9 @@ impl<'a> Batch<'a> {
             (report.seqs, report.tokens) = (plan.decode.len() + plan.prompt.len(), plan.tokens());
             report.drafted = plan.tokens() - plan.decode.len() - plan.prompt.iter().map(|p| p.1).sum::<usize>();
             self.run(&plan);
+        }
+        if let Some(paged) = self.paged.as_mut() {
+            paged.register_running(&self.running);
         }
         self.retire(&mut report);
         report
@@ -258,6 +305,9 @@ impl<'a> Batch<'a> {
         self.waiting = waiting.into();
         for seq in done.into_iter().chain(done_waiting) {
             let (id, prompt_rows) = (seq.id, seq.prompt_rows());
+            if let Some(paged) = self.paged.as_mut() {
+                paged.forget(id);
+            }
             let cache = seq.retire();
             report.retired.push((id, self.keep_prompt(prompt_rows, cache)));
         }
@@ -266,13 +316,18 @@ impl<'a> Batch<'a> {
     /// Puts the keys and values of a finished sequence's prompt rows into the prompt cache (they
     /// continue bit for bit as an uncached prompt would); returns the cache when it is not kept.
     fn keep_prompt(&mut self, prompt_rows: Option<Vec<u32>>, mut cache: SeqCache) -> SeqCache {
-        let (Some(pc), Some(tokens)) = (self.prompt_cache.as_mut(), prompt_rows) else { return cache };
+        let sharing = self.paged.as_ref().is_some_and(PagedKv::shares_prefixes);
+        let Some(tokens) = prompt_rows.filter(|_| sharing || self.prompt_cache.is_some()) else { return cache };
         let extra = cache.offset().saturating_sub(tokens.len());
         if tokens.is_empty() || cache.offset() < tokens.len() || cache.trim(extra) != extra {
             return cache;
         }
-        pc.put(tokens, cache);
-        self.model.make_cache()
+        match (self.paged.as_mut().filter(|_| sharing), self.prompt_cache.as_mut()) {
+            (Some(paged), disk) => paged.keep(tokens, cache, disk),
+            (None, Some(pc)) => pc.put(tokens, cache),
+            (None, None) => unreachable!("checked above"),
+        }
+        self.fresh_cache()
     }
 
     fn admit(&mut self) {
@@ -289,7 +344,7 @@ impl<'a> Batch<'a> {
         let mut started = Vec::new();
         for seq in self.running.iter_mut().filter(|s| s.ready_to_fork()) {
             for follower in std::mem::take(&mut seq.followers) {
-                started.push(seq.fork(follower, self.model.make_cache()));
+                started.push(seq.fork(follower, fresh_in(self.model, self.paged.as_ref())));
             }
         }
         self.running.extend(started);
@@ -301,7 +356,7 @@ impl<'a> Batch<'a> {
         let victims = scheduler::preempt(self.kv_budget, &self.views());
         for &i in &victims {
             let mut seq = self.running.remove(i);
-            seq.preempt(self.model.make_cache());
+            seq.preempt(self.fresh_cache());
             self.waiting.push_front(seq);
         }
         victims.len()
@@ -412,6 +467,14 @@ impl<'a> Batch<'a> {
                 true
             }
         }
+    }
+}
+
+/// A fresh cache of `model`, paged when `paged` is set.
+fn fresh_in(model: &dyn CausalLm, paged: Option<&PagedKv>) -> SeqCache {
+    match paged {
+        Some(p) => p.fresh(model),
+        None => model.make_cache(),
     }
 }
 

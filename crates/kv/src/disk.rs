@@ -313,7 +313,7 @@ fn read_entry(path: &Path, identity: &str, mut empty: SeqCache) -> Result<(Vec<T
         };
         let (k, v) = (tensor()?, tensor()?);
         // A quantized layer's rows come back as U8; the signature check above matched its format.
-        empty.layer(i).load_state(&KvView { k, v, key_start: l.key_start, quant: None }, l.offset)?;
+        empty.layer(i).load_state(&KvView { k, v, key_start: l.key_start, quant: None, table: None }, l.offset)?;
     }
     if empty.offset() != h.tokens.len() {
         return Err("the entry's tokens and cache disagree".into());

@@ -2,6 +2,8 @@
 //! (the engine) owns the caches.
 
 mod disk;
+mod paged;
+mod paged_prefix;
 mod plain;
 mod prefix;
 mod quant;
@@ -9,6 +11,9 @@ mod rotating;
 mod seq;
 
 pub use disk::DiskTier;
+pub use paged::{BlockPool, PagedCache};
+pub use paged_prefix::{BlockIndex, PagedPools};
+pub use ferrolm_backend::paged::BlockTable;
 pub use plain::PlainCache;
 pub use prefix::{Hit, PromptCache, PromptCacheStats};
 pub use quant::{KvScheme, QuantCache};
@@ -27,6 +32,9 @@ pub struct KvView {
     /// `Some`: k and v are quantized rows (U8 `[kv_heads, tokens, row_bytes]`) of this format;
     /// attention reads them with `attend_quant` / `attend_prompt_quant`.
     pub quant: Option<KvQuant>,
+    /// `Some`: k and v are a paged layer's pools `[blocks, B, kv_heads, head_dim]` and this
+    /// lists the sequence's blocks; attention reads them with `attend_paged`.
+    pub table: Option<BlockTable>,
 }
 
 /// One layer's cache for one sequence.
@@ -69,6 +77,24 @@ pub trait KvCache: Send {
     fn state_prefix(&self, n: usize) -> Result<Option<KvView>> {
         let _ = n;
         Ok(None)
+    }
+
+    /// A cache holding this one's first `n` tokens by sharing its storage (reference-counted
+    /// blocks, copied on write), if it can; None: copy through `state_prefix` instead.
+    fn share_prefix(&self, n: usize) -> Option<Box<dyn KvCache>> {
+        let _ = n;
+        None
+    }
+
+    /// This layer as a paged cache, when it is one (the prefix index keeps its blocks).
+    fn as_paged(&self) -> Option<&PagedCache> {
+        None
+    }
+
+    /// Kv heads, head size and dtype of a plain float cache (the layers `--kv-layout paged`
+    /// replaces); None for other kinds.
+    fn plain_shape(&self) -> Option<(usize, usize, candle_core::DType)> {
+        None
     }
 
     /// Whole buffers `[kv_heads, capacity, head_dim]` with room for at least `extra` tokens

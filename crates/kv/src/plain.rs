@@ -58,6 +58,7 @@ impl PlainCache {
                 v: v.narrow(1, 0, self.offset)?,
                 key_start: 0,
                 quant: None,
+                table: None,
             })),
             _ => Ok(None),
         }
@@ -93,6 +94,10 @@ impl KvCache for PlainCache {
         "kv:plain".into()
     }
 
+    fn plain_shape(&self) -> Option<(usize, usize, DType)> {
+        Some((self.kv_heads, self.head_dim, self.dtype))
+    }
+
     fn bytes_per_token(&self) -> usize {
         2 * self.kv_heads * self.head_dim * self.dtype.size_in_bytes()
     }
@@ -121,7 +126,7 @@ impl KvCache for PlainCache {
     fn state_prefix(&self, n: usize) -> Result<Option<KvView>> {
         match (&self.k, &self.v) {
             (Some(k), Some(v)) if n <= self.offset => {
-                Ok(Some(KvView { k: k.narrow(1, 0, n)?, v: v.narrow(1, 0, n)?, key_start: 0, quant: None }))
+                Ok(Some(KvView { k: k.narrow(1, 0, n)?, v: v.narrow(1, 0, n)?, key_start: 0, quant: None, table: None }))
             }
             _ => Ok(None),
         }

@@ -63,6 +63,22 @@ impl PromptCache {
         Self { entries: Vec::new(), max_bytes, clock: 0, stats, disk }
     }
 
+    /// This cache keeping nothing in RAM, only its disk tier (the paged layout's block index
+    /// keeps prefixes in RAM instead, `BlockIndex`).
+    pub fn disk_only(self) -> Self {
+        Self::with_disk(0, self.disk)
+    }
+
+    /// The disk entry sharing more than `better_than` tokens of `prompt` (at most all but its
+    /// last token), read into fresh caches from `fresh`, not kept in RAM: its tokens and cache.
+    pub fn take_from_disk(&mut self, prompt: &[TokenId], better_than: usize, fresh: &dyn Fn() -> SeqCache) -> Option<(Vec<TokenId>, SeqCache)> {
+        let disk = self.disk.as_mut()?;
+        let (j, _) = disk.best(prompt, prompt.len().saturating_sub(1)).filter(|&(_, n)| n > better_than)?;
+        let loaded = disk.load(j, fresh())?;
+        self.stats.disk_hits += 1;
+        Some(loaded)
+    }
+
     pub fn stats(&self) -> PromptCacheStats {
         let bytes = self.entries.iter().map(|e| e.bytes).sum();
         let (disk_entries, disk_bytes) = self.disk.as_ref().map_or((0, 0), DiskTier::usage);

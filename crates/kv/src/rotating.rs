@@ -135,6 +135,7 @@ impl RotatingCache {
                 v: v.narrow(1, 0, self.len)?,
                 key_start: self.key_start(),
                 quant: None,
+                table: None,
             })),
             _ => Ok(None),
         }
@@ -209,6 +210,7 @@ impl KvCache for RotatingCache {
                 v: v.narrow(1, 0, n - start)?,
                 key_start: start,
                 quant: None,
+                table: None,
             })),
             _ => Ok(None),
         }

@@ -10,6 +10,11 @@ impl SeqCache {
         Self { layers }
     }
 
+    /// The layers' caches, for building another `SeqCache` from them.
+    pub fn into_layers(self) -> Vec<Box<dyn KvCache>> {
+        self.layers
+    }
+
     pub fn layer(&mut self, i: usize) -> &mut dyn KvCache {
         self.layers[i].as_mut()
     }
@@ -82,7 +87,9 @@ impl SeqCache {
             candle_core::bail!("fork: {} layers into {}", self.layers.len(), empty.layers.len())
         }
         for (from, to) in self.layers.iter().zip(&mut empty.layers) {
-            if let Some(state) = from.state()? {
+            if let Some(shared) = from.share_prefix(from.offset()) {
+                *to = shared; // paged: the same blocks, copied on write
+            } else if let Some(state) = from.state()? {
                 to.load_state(&state, from.offset())?;
             }
         }
@@ -97,6 +104,10 @@ impl SeqCache {
             return Ok(None);
         }
         for (from, to) in self.layers.iter().zip(&mut empty.layers) {
+            if let Some(shared) = from.share_prefix(n) {
+                *to = shared;
+                continue;
+            }
             match from.state_prefix(n)? {
                 Some(state) => to.load_state(&state, n)?,
                 None if n == 0 => {}

@@ -2,7 +2,8 @@ use super::{BatchRows, FusedLinear};
 use crate::lora::{self, Target};
 use crate::RowKind;
 use candle_core::{Result, Tensor};
-use ferrolm_backend::attention::{attend_decode_batch, attend_prompt_quant, DecodeQuery, Positions};
+use ferrolm_backend::attention::{attend_decode_batch, attend_decode_batch_paged, attend_paged, attend_prompt_quant, DecodeQuery, Positions};
+use ferrolm_backend::paged::BlockTable;
 use ferrolm_backend::attention_device::{append_and_attend, append_and_attend_batch, has_kernels, StaticStep};
 use ferrolm_backend::norm::RmsNorm;
 use ferrolm_backend::{AttentionParams, Linear, Rope, RowInput};
@@ -78,10 +79,14 @@ impl SelfAttention {
         let decode = rows.spans[done..].iter().take_while(|s| s.kind == RowKind::Decode).count();
         if decode > 0 {
             let queries: Vec<DecodeQuery> = seqs[..decode].iter().map(|(q, kv, pos)| DecodeQuery { q, k: &kv.k, v: &kv.v, quant: kv.quant, pos: *pos }).collect();
-            outs.push(attend_decode_batch(&queries, &self.cfg.params)?);
+            let tables: Vec<Option<&BlockTable>> = seqs[..decode].iter().map(|(_, kv, _)| kv.table.as_ref()).collect();
+            outs.push(decode_attention(&queries, &tables, &self.cfg.params)?);
         }
         for (q, kv, pos) in &seqs[decode..] {
-            outs.push(attend_prompt_quant(q, &kv.k, &kv.v, kv.quant, *pos, &self.cfg.params)?);
+            outs.push(match &kv.table {
+                Some(table) => attend_paged(q, &kv.k, &kv.v, table, *pos, &self.cfg.params, true)?,
+                None => attend_prompt_quant(q, &kv.k, &kv.v, kv.quant, *pos, &self.cfg.params)?,
+            });
         }
         let attn = if outs.len() == 1 {
             outs.pop().unwrap()
@@ -166,4 +171,18 @@ impl SelfAttention {
     pub fn weight_bytes(&self) -> usize {
         self.qkv.weight_bytes() + self.o.weight_bytes()
     }
+}
+
+/// The decode rows' attention: over paged caches through their block tables, over contiguous
+/// ones directly; a batch mixing both (a cache handed in from outside) one sequence at a time,
+/// which gives the same bits (every row is computed as alone).
+fn decode_attention(queries: &[DecodeQuery<'_>], tables: &[Option<&BlockTable>], params: &ferrolm_backend::AttentionParams) -> Result<Tensor> {
+    if tables.iter().all(Option::is_none) {
+        return attend_decode_batch(queries, params);
+    }
+    if let Some(tables) = tables.iter().copied().collect::<Option<Vec<&BlockTable>>>() {
+        return attend_decode_batch_paged(queries, &tables, params);
+    }
+    let outs = queries.iter().zip(tables).map(|(q, t)| decode_attention(std::slice::from_ref(q), &[*t], params)).collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&outs, 0)
 }

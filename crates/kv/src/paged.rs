@@ -1,0 +1,370 @@
+//! Paged KV (`--kv-layout paged`): per full-attention layer one pool of fixed-size blocks shared
+//! by every sequence, and per sequence a block table. A block is `[B, kv_heads, head_dim]` rows
+//! (token-major, so writing a token is one contiguous copy); the pool tensor is
+//! `[blocks, B, kv_heads, head_dim]` and attention reads it through the table
+//! (`ferrolm_backend::paged::BlockTable`), never through a gathered copy.
+//!
+//! Blocks are reference counted: a sequence's table holds one reference on each of its blocks,
+//! the prefix index (`paged_prefix`) one on each block it keeps. A block is written only by a
+//! sequence holding its sole reference: writing into a shared block first copies it
+//! (copy-on-write), so a shared block is never written.
+
+use crate::{KvCache, KvView};
+use candle_core::{DType, Device, Result, Tensor};
+use ferrolm_backend::paged::BlockTable;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// The pool's first size in blocks; it doubles when full.
+const FIRST_BLOCKS: usize = 16;
+
+/// One layer's blocks, shared by all sequences of a model.
+pub struct BlockPool {
+    inner: Mutex<PoolInner>,
+    block_tokens: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    dtype: DType,
+    device: Device,
+}
+
+struct PoolInner {
+    /// `[capacity, B, kv_heads, head_dim]` each.
+    k: Option<Tensor>,
+    v: Option<Tensor>,
+    refs: Vec<u32>,
+    free: Vec<usize>,
+}
+
+impl BlockPool {
+    /// An empty pool of blocks of `block_tokens` (a power of two) tokens.
+    pub fn new(block_tokens: usize, kv_heads: usize, head_dim: usize, dtype: DType, device: &Device) -> Arc<Self> {
+        assert!(block_tokens.is_power_of_two(), "block size {block_tokens} is not a power of two");
+        let inner = Mutex::new(PoolInner { k: None, v: None, refs: Vec::new(), free: Vec::new() });
+        Arc::new(Self { inner, block_tokens, kv_heads, head_dim, dtype, device: device.clone() })
+    }
+
+    pub fn block_tokens(&self) -> usize {
+        self.block_tokens
+    }
+
+    /// Bytes of one block (keys and values).
+    pub fn block_bytes(&self) -> usize {
+        2 * self.block_tokens * self.kv_heads * self.head_dim * self.dtype.size_in_bytes()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, PoolInner> {
+        // A panic while the lock was held left the counts as they were before that call.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Blocks in use (referenced) and the pool's capacity in blocks.
+    pub fn usage(&self) -> (usize, usize) {
+        let g = self.lock();
+        (g.refs.len() - g.free.len(), g.refs.len())
+    }
+
+    /// References held on `block`.
+    pub fn refs(&self, block: usize) -> u32 {
+        self.lock().refs[block]
+    }
+
+    /// One more reference on each of `blocks`.
+    pub fn retain(&self, blocks: &[usize]) {
+        let mut g = self.lock();
+        for &b in blocks {
+            debug_assert!(g.refs[b] > 0, "retain of free block {b}");
+            g.refs[b] += 1;
+        }
+    }
+
+    /// Drops one reference on each of `blocks`; a block nobody references is free again.
+    pub fn release(&self, blocks: &[usize]) {
+        let mut g = self.lock();
+        for &b in blocks {
+            g.refs[b] -= 1;
+            if g.refs[b] == 0 {
+                g.free.push(b);
+            }
+        }
+    }
+
+    /// Rows `[n, kv_heads, head_dim]` view of the pool: `[capacity·B, kv_heads·head_dim]`.
+    fn rows(t: &Tensor) -> Result<Tensor> {
+        let (cap, b, h, d) = t.dims4()?;
+        t.reshape((cap * b, h * d))
+    }
+
+    fn shape(&self, blocks: usize) -> (usize, usize, usize, usize) {
+        (blocks, self.block_tokens, self.kv_heads, self.head_dim)
+    }
+}
+
+impl PoolInner {
+    /// A free block with one reference, growing the pool (doubling it) when none is free.
+    fn alloc(&mut self, pool: &BlockPool) -> Result<usize> {
+        if let Some(b) = self.free.pop() {
+            self.refs[b] = 1;
+            return Ok(b);
+        }
+        let cap = self.refs.len();
+        let new_cap = (2 * cap).max(FIRST_BLOCKS);
+        for slot in [&mut self.k, &mut self.v] {
+            let grown = Tensor::zeros(pool.shape(new_cap), pool.dtype, &pool.device)?;
+            if let Some(old) = slot.as_ref() {
+                grown.slice_set(old, 0, 0)?;
+            }
+            *slot = Some(grown);
+        }
+        self.refs.resize(new_cap, 0);
+        self.free.extend((cap + 1..new_cap).rev());
+        self.refs[cap] = 1;
+        Ok(cap)
+    }
+
+    /// Writes `k`, `v` rows `[n, kv_heads·head_dim]` at token `at` of `block`.
+    fn write(&self, pool: &BlockPool, block: usize, at: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+        let row = block * pool.block_tokens + at;
+        BlockPool::rows(self.k.as_ref().expect("allocated"))?.slice_set(k, 0, row)?;
+        BlockPool::rows(self.v.as_ref().expect("allocated"))?.slice_set(v, 0, row)
+    }
+
+    /// The first `n` tokens of block `from` copied into the fresh block `to`.
+    fn copy_rows(&self, pool: &BlockPool, from: usize, to: usize, n: usize) -> Result<()> {
+        let (k, v) = (BlockPool::rows(self.k.as_ref().expect("allocated"))?, BlockPool::rows(self.v.as_ref().expect("allocated"))?);
+        let bt = pool.block_tokens;
+        k.slice_set(&k.narrow(0, from * bt, n)?.copy()?, 0, to * bt)?;
+        v.slice_set(&v.narrow(0, from * bt, n)?.copy()?, 0, to * bt)
+    }
+}
+
+/// One layer's cache of one sequence: its block table over a shared pool.
+pub struct PagedCache {
+    pool: Arc<BlockPool>,
+    blocks: Vec<usize>,
+    offset: usize,
+}
+
+impl PagedCache {
+    pub fn new(pool: Arc<BlockPool>) -> Self {
+        Self { pool, blocks: Vec::new(), offset: 0 }
+    }
+
+    /// A cache holding the first `tokens` tokens of `blocks` (one reference taken on each).
+    pub fn sharing(pool: Arc<BlockPool>, blocks: &[usize], tokens: usize) -> Self {
+        let blocks = blocks[..tokens.div_ceil(pool.block_tokens)].to_vec();
+        pool.retain(&blocks);
+        Self { pool, blocks, offset: tokens }
+    }
+
+    pub fn pool(&self) -> &Arc<BlockPool> {
+        &self.pool
+    }
+
+    /// The blocks holding the tokens, in order.
+    pub fn blocks(&self) -> &[usize] {
+        &self.blocks
+    }
+
+    fn table(&self) -> BlockTable {
+        BlockTable { blocks: self.blocks.clone(), block_tokens: self.pool.block_tokens, tokens: self.offset }
+    }
+
+    /// The block to write token `offset` into: a new one at a block boundary, the last one if
+    /// this sequence alone holds it, else a private copy of it (copy-on-write).
+    fn writable_block(&mut self, g: &mut PoolInner) -> Result<usize> {
+        let bt = self.pool.block_tokens;
+        let (i, within) = (self.offset / bt, self.offset % bt);
+        if i == self.blocks.len() {
+            let b = g.alloc(&self.pool)?;
+            self.blocks.push(b);
+            return Ok(b);
+        }
+        let shared = self.blocks[i];
+        if g.refs[shared] == 1 {
+            return Ok(shared);
+        }
+        let private = g.alloc(&self.pool)?;
+        if within > 0 {
+            g.copy_rows(&self.pool, shared, private, within)?;
+        }
+        g.refs[shared] -= 1; // still referenced by its other holders
+        self.blocks[i] = private;
+        Ok(private)
+    }
+
+    /// The keys and values of the first `n` tokens, `[kv_heads, n, head_dim]`, gathered (for
+    /// snapshots: the disk tier, forks into other layouts; attention never gathers).
+    fn gather(&self, n: usize) -> Result<Option<KvView>> {
+        if n == 0 {
+            return Ok(None);
+        }
+        let g = self.pool.lock();
+        let bt = self.pool.block_tokens;
+        let ids: Vec<u32> = (0..n).map(|t| (self.blocks[t / bt] * bt + t % bt) as u32).collect();
+        let ids = Tensor::from_vec(ids, n, &self.pool.device)?;
+        let (h, d) = (self.pool.kv_heads, self.pool.head_dim);
+        let take = |t: &Tensor| -> Result<Tensor> { BlockPool::rows(t)?.index_select(&ids, 0)?.reshape((n, h, d))?.transpose(0, 1)?.contiguous() };
+        let (k, v) = (take(g.k.as_ref().expect("allocated"))?, take(g.v.as_ref().expect("allocated"))?);
+        Ok(Some(KvView { k, v, key_start: 0, quant: None, table: None }))
+    }
+
+    fn release_from(&mut self, keep_blocks: usize) {
+        if keep_blocks < self.blocks.len() {
+            self.pool.release(&self.blocks[keep_blocks..]);
+            self.blocks.truncate(keep_blocks);
+        }
+    }
+}
+
+impl Drop for PagedCache {
+    fn drop(&mut self) {
+        self.release_from(0);
+    }
+}
+
+impl KvCache for PagedCache {
+    fn update_and_fetch(&mut self, k: &Tensor, v: &Tensor) -> Result<KvView> {
+        let (h, n, d) = k.dims3()?;
+        let pool = self.pool.clone();
+        if (h, d) != (pool.kv_heads, pool.head_dim) || v.dims3()? != (h, n, d) {
+            candle_core::bail!("kv:paged: rows {:?} into a pool of {} heads × {}", k.dims(), pool.kv_heads, pool.head_dim)
+        }
+        let token_rows = |t: &Tensor| -> Result<Tensor> { t.to_dtype(pool.dtype)?.transpose(0, 1)?.contiguous()?.reshape((n, h * d)) };
+        let (k, v) = (token_rows(k)?, token_rows(v)?);
+        let mut g = pool.lock();
+        let mut done = 0;
+        while done < n {
+            let block = self.writable_block(&mut g)?;
+            let within = self.offset % pool.block_tokens;
+            let m = (pool.block_tokens - within).min(n - done);
+            g.write(&pool, block, within, &k.narrow(0, done, m)?, &v.narrow(0, done, m)?)?;
+            self.offset += m;
+            done += m;
+        }
+        let (pk, pv) = (g.k.clone().expect("allocated"), g.v.clone().expect("allocated"));
+        Ok(KvView { k: pk, v: pv, key_start: 0, quant: None, table: Some(self.table()) })
+    }
+
+    fn offset(&self) -> usize {
+        self.offset
+    }
+
+    fn is_trimmable(&self) -> bool {
+        true
+    }
+
+    fn trim(&mut self, n: usize) -> usize {
+        let n = n.min(self.offset);
+        self.offset -= n;
+        self.release_from(self.offset.div_ceil(self.pool.block_tokens));
+        n
+    }
+
+    /// The same state as a contiguous cache's (`state` gathers it), so snapshots and disk files
+    /// are interchangeable between the layouts.
+    fn signature(&self) -> String {
+        "kv:plain".into()
+    }
+
+    fn bytes_per_token(&self) -> usize {
+        self.pool.block_bytes() / self.pool.block_tokens
+    }
+
+    fn bytes_held(&self) -> usize {
+        self.blocks.len() * self.pool.block_bytes()
+    }
+
+    fn device(&self) -> &Device {
+        &self.pool.device
+    }
+
+    fn state(&self) -> Result<Option<KvView>> {
+        self.gather(self.offset)
+    }
+
+    fn load_state(&mut self, state: &KvView, offset: usize) -> Result<()> {
+        self.release_from(0);
+        self.offset = 0;
+        self.update_and_fetch(&state.k, &state.v)?;
+        self.trim(self.offset.saturating_sub(offset));
+        Ok(())
+    }
+
+    fn state_prefix(&self, n: usize) -> Result<Option<KvView>> {
+        if n > self.offset {
+            return Ok(None);
+        }
+        self.gather(n)
+    }
+
+    fn share_prefix(&self, n: usize) -> Option<Box<dyn KvCache>> {
+        (n <= self.offset).then(|| Box::new(PagedCache::sharing(self.pool.clone(), &self.blocks, n)) as Box<dyn KvCache>)
+    }
+
+    fn as_paged(&self) -> Option<&PagedCache> {
+        Some(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::PlainCache;
+
+    fn rows(n: usize, seed: f32) -> Tensor {
+        let data: Vec<f32> = (0..2 * n * 8).map(|i| seed + i as f32).collect();
+        Tensor::from_vec(data, (2, n, 8), &Device::Cpu).unwrap()
+    }
+
+    fn gathered(c: &dyn KvCache) -> Vec<f32> {
+        c.state().unwrap().map_or(Vec::new(), |s| s.k.flatten_all().unwrap().to_vec1().unwrap())
+    }
+
+    /// Appends across block boundaries, trims and reloads hold what a contiguous cache holds.
+    #[test]
+    fn holds_what_a_contiguous_cache_holds() {
+        let pool = BlockPool::new(4, 2, 8, DType::F32, &Device::Cpu);
+        let mut paged = PagedCache::new(pool.clone());
+        let mut plain = PlainCache::new(2, 8, DType::F32, &Device::Cpu);
+        for (n, seed) in [(3, 0.0), (6, 100.0), (1, 200.0), (9, 300.0)] {
+            let x = rows(n, seed);
+            let view = paged.update_and_fetch(&x, &(&x * 2.0).unwrap()).unwrap();
+            plain.update_and_fetch(&x, &(&x * 2.0).unwrap()).unwrap();
+            assert_eq!(view.table.as_ref().unwrap().tokens, paged.offset());
+            assert_eq!(gathered(&paged), gathered(&plain));
+        }
+        assert_eq!((paged.offset(), paged.blocks().len()), (19, 5));
+        assert_eq!(paged.trim(8), 8);
+        plain.trim(8);
+        assert_eq!((paged.blocks().len(), pool.usage().0), (3, 3), "blocks past the end are freed");
+        assert_eq!(gathered(&paged), gathered(&plain));
+        let state = plain.state().unwrap().unwrap();
+        let mut loaded = PagedCache::new(pool.clone());
+        loaded.load_state(&state, 11).unwrap();
+        assert_eq!(gathered(&loaded), gathered(&plain));
+        drop((paged, loaded));
+        assert_eq!(pool.usage().0, 0, "dropped caches free their blocks");
+    }
+
+    /// A shared block is never written: the sharer writing into it gets a private copy, and
+    /// the original holder still reads its own rows.
+    #[test]
+    fn writing_into_a_shared_block_copies_it() {
+        let pool = BlockPool::new(4, 2, 8, DType::F32, &Device::Cpu);
+        let mut a = PagedCache::new(pool.clone());
+        a.update_and_fetch(&rows(6, 0.0), &rows(6, 0.0)).unwrap();
+        let before = gathered(&a);
+        let mut b = PagedCache::sharing(pool.clone(), a.blocks(), 5);
+        assert_eq!(b.blocks(), a.blocks());
+        assert_eq!(pool.refs(a.blocks()[0]), 2);
+        b.update_and_fetch(&rows(3, -50.0), &rows(3, -50.0)).unwrap();
+        assert_eq!(b.blocks()[0], a.blocks()[0], "the full block stays shared");
+        assert_ne!(b.blocks()[1], a.blocks()[1], "the partial block was copied");
+        assert_eq!(gathered(&a), before, "the holder's rows are untouched");
+        let b_rows = gathered(&b);
+        assert_eq!(b_rows[..5 * 8], before[..5 * 8], "the copy keeps the shared rows");
+        assert_eq!(b_rows[5 * 8], -50.0);
+        a.update_and_fetch(&rows(1, 7.0), &rows(1, 7.0)).unwrap();
+        assert_eq!(gathered(&b), b_rows, "the sharer's rows are untouched by the holder's writes");
+    }
+}

@@ -3,7 +3,8 @@
 # alone) and aggregate decode tok/s at batch 1, 8, 32, 128 against the batched roofline and
 # transformers, on random-weight Llama shapes built here.
 #   run(command="bash scripts/gpu/batch_bench.sh [SHAPE ...]", carry=["gpu-carry"])
-#   (default shapes: llama-3.2-1b llama-3.1-8b; BATCHES="1 8 32 128"; NO_HF=1 skips transformers)
+#   (default shapes: llama-3.2-1b llama-3.1-8b; BATCHES="1 8 32 128"; NO_HF=1 skips transformers;
+#   SERVE_LOAD=0 skips the HTTP clients, CLIENTS=64 and SECONDS_LOAD=45 size them)
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 unpack_ferrolm
@@ -15,3 +16,6 @@ for m in $shapes; do
     --concurrency 8 --check --max-batch-tokens 2048 2>&1 | tail -2
   python scripts/gpu/batch_bench.py "$W/bin" "$W/models" "$OUT" "$m" ${BATCHES:-1 8 32 128}
 done
+# Over HTTP: concurrent streaming clients against `ferrolm serve` on the first shape.
+first=${shapes%% *}
+[ "${SERVE_LOAD:-1}" = 1 ] && python scripts/gpu/serve_load.py "$W/bin/ferrolm" "$W/models/$first" "$OUT" ${CLIENTS:-64} ${SECONDS_LOAD:-45}

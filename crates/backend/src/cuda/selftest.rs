@@ -113,8 +113,72 @@ pub fn run(dev: &Device) -> Result<Vec<Check>> {
     let want = logits.argmax(0)?.to_scalar::<u32>()?;
     let got = dst.to_vec1::<u32>()?[0];
     out.push(Check { name: "argmax (exact)".into(), error: (got != want) as u8 as f64, bound: 0.0 });
+    out.push(check_argmax_rows(dev)?);
+    for (hq, hkv, d) in [(32, 8, 64), (32, 8, 128), (9, 3, 64), (16, 2, 128)] {
+        out.push(check_attention_batch(dev, hq, hkv, d)?);
+    }
     out.push(check_graph(dev)?);
     Ok(out)
+}
+
+/// Every row's argmax in one pass against each row's own argmax (ties included), exactly.
+fn check_argmax_rows(dev: &Device) -> Result<Check> {
+    let mut logits = randn((7, 128256), DType::F32, dev)?;
+    // Row 3 all equal (first index wins), row 5 with a tie of two maxima.
+    let tied = Tensor::ones((1, 128256), DType::F32, dev)?;
+    logits = logits.slice_assign(&[3..4, 0..128256], &tied)?;
+    let two = Tensor::full(9f32, (1, 2), dev)?;
+    logits = logits.slice_assign(&[5..6, 1000..1002], &two)?;
+    let got = need(ops::argmax_rows(&logits)?, "argmax_rows")?.to_vec1::<u32>()?;
+    let dst = Tensor::zeros(1, DType::U32, dev)?;
+    let mut wrong = 0;
+    for (r, &g) in got.iter().enumerate() {
+        crate::ops::argmax_into(&logits.get(r)?, &dst)?;
+        wrong += (dst.to_vec1::<u32>()?[0] != g) as usize;
+    }
+    Ok(Check { name: "argmax of 7 rows at once = each row's (exact)".into(), error: wrong as f64, bound: 0.0 })
+}
+
+/// The batched decode step (rope, append and attention for several sequences of different
+/// lengths in one launch) against each sequence's single-row kernel with the append in it:
+/// outputs and written rows bit-identical.
+fn check_attention_batch(dev: &Device, hq: usize, hkv: usize, d: usize) -> Result<Check> {
+    let bf = DType::BF16;
+    let p = AttentionParams { scale: (d as f32).powf(-0.5), window: None, softcap: None };
+    let positions = [0usize, 63, 64, 65, 700, 2100];
+    let rope = Rope::new(RopeStyle::HalfSplit, d, 10000.0, 4096, None, dev)?;
+    let (cos, sin, interleaved) = rope.tables()?;
+    let tables = RopeTables { cos, sin, interleaved };
+    let b = positions.len();
+    let q = randn((b, hq, d), bf, dev)?;
+    let k = randn((b, hkv, d), bf, dev)?;
+    let v = randn((b, hkv, d), bf, dev)?;
+    let caches: Vec<(Tensor, Tensor)> = positions
+        .iter()
+        .map(|&s| Ok((randn((hkv, s + 1 + 37, d), bf, dev)?, randn((hkv, s + 1 + 37, d), bf, dev)?)))
+        .collect::<Result<_>>()?;
+    let copies: Vec<(Tensor, Tensor)> = caches.iter().map(|(a, c)| Ok((a.copy()?, c.copy()?))).collect::<Result<_>>()?;
+    let batch = ops::DecodeBatch { q: &q, k: &k, v: &v, buffers: &caches, positions: &positions, rope: tables, params: &p };
+    let got = need(ops::attend_decode_batch(&batch)?, "attend_decode_batch")?;
+    let mut error = 0.0;
+    for (i, (&s, (kc, vc))) in positions.iter().zip(&copies).enumerate() {
+        let row = |t: &Tensor| t.narrow(0, i, 1)?.contiguous();
+        let (kn, vn) = (row(&k)?, row(&v)?);
+        let one = DecodeAttention {
+            q: &row(&q)?,
+            k: &kc.narrow(1, 0, s + 1)?,
+            v: &vc.narrow(1, 0, s + 1)?,
+            rope: Some(tables),
+            pos: Pos::Host(s),
+            key_start: 0,
+            params: &p,
+            append: Some((&kn, &vn)),
+        };
+        let want = need(ops::attend_decode(&one)?, "attend_decode with append")?;
+        error += rel(&got.narrow(0, i, 1)?, &want)?;
+        error += rel(&caches[i].0, kc)? + rel(&caches[i].1, vc)?;
+    }
+    Ok(Check { name: format!("batched decode step hq={hq} hkv={hkv} d={d} = one by one (exact)"), error, bound: 0.0 })
 }
 
 /// The fused matrix-vector kernel (norm or silu·mul before, residual add after) against the

@@ -148,6 +148,14 @@ pub struct Args {
     /// it); 0 turns the cache off [default: an eighth of the available memory, at most 2 GiB].
     #[arg(long, value_parser = parse_size)]
     prompt_cache_bytes: Option<usize>,
+    /// How full-attention layers hold keys and values: `contiguous` (a buffer per sequence) or
+    /// `paged` (blocks in per-layer pools; requests sharing a prompt prefix share its blocks by
+    /// reference; CPU only; docs/paged_kv.md).
+    #[arg(long, default_value = "contiguous", value_parser = ["contiguous", "paged"])]
+    kv_layout: String,
+    /// Tokens per block of `--kv-layout paged`: 16, 32 or 64.
+    #[arg(long, default_value_t = ferrolm_engine::config::DEFAULT_BLOCK_TOKENS)]
+    kv_block_size: usize,
     /// A directory where the prompt cache also writes its entries (in the background), so that
     /// prefixes outlive their RAM entry and restarts. Another model's files there are ignored.
     #[arg(long)]
@@ -236,7 +244,8 @@ impl Args {
             ngram_min: self.ngram_min.max(1),
             ngram_max: self.ngram_max.max(self.ngram_min.max(1)),
         });
-        Ok(EngineConfig { queue_capacity: self.queue_size.max(1), batch, graph: GraphSettings::from_env(), kv_disk, spec, draft: None })
+        let kv_layout = ferrolm_engine::config::KvLayout::from_flags(&self.kv_layout, self.kv_block_size).map_err(CliError::usage)?;
+        Ok(EngineConfig { queue_capacity: self.queue_size.max(1), batch, graph: GraphSettings::from_env(), kv_disk, kv_layout, spec, draft: None })
     }
 }
 
@@ -467,6 +476,9 @@ fn load(args: &Args) -> CliResult<bundle::Bundle> {
     progress.finish(loaded.is_ok());
     let mut bundle = loaded.map_err(CliError::usage)?;
     bundle.model.set_kv_scheme(args.kv_scheme()?).map_err(CliError::usage)?;
+    if args.kv_layout == "paged" && (!bundle.model.device().is_cpu() || ranks > 1) {
+        return Err(CliError::usage("--kv-layout paged runs on the CPU, without --tensor-parallel, for now"));
+    }
     Ok(bundle)
 }
 

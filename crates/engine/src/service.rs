@@ -26,6 +26,8 @@ pub struct EngineConfig {
     pub graph: GraphSettings,
     /// The prompt cache's disk tier, if any.
     pub kv_disk: Option<DiskSettings>,
+    /// How full-attention layers hold keys and values (`--kv-layout`).
+    pub kv_layout: crate::config::KvLayout,
     /// Speculative decoding, if on: by prompt lookup, or with `draft` when given (a model of
     /// the target's vocabulary: `draft::check_compatible`).
     pub spec: Option<SpecConfig>,
@@ -39,6 +41,7 @@ impl Default for EngineConfig {
             batch: BatchConfig::default(),
             graph: GraphSettings::default(),
             kv_disk: None,
+            kv_layout: Default::default(),
             spec: None,
             draft: None,
         }
@@ -257,6 +260,9 @@ impl Worker {
         match (&self.cfg.draft, self.cfg.spec) {
             (Some(draft), Some(spec)) => batch.set_draft_model(draft.model.as_ref(), spec),
             (_, spec) => batch.set_speculation(spec),
+        }
+        if let Err(e) = batch.set_kv_layout(self.cfg.kv_layout) {
+            tracing::error!("--kv-layout: {e}; keeping contiguous caches");
         }
         if let Some(d) = &self.cfg.kv_disk {
             match ferrolm_kv::DiskTier::open(&d.dir, d.max_bytes, &d.identity) {

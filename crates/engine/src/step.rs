@@ -123,6 +123,16 @@ impl<'a> Batch<'a> {
         self.paged.as_ref().map(PagedKv::usage)
     }
 
+    /// Bytes of keys and values held now: the paged pools' referenced blocks (shared ones
+    /// once), or the running and waiting sequences' buffers plus the prompt cache's entries.
+    pub fn kv_bytes(&self) -> usize {
+        if let Some((_, bytes)) = self.paged_usage() {
+            return bytes;
+        }
+        let seqs: usize = self.running.iter().chain(&self.waiting).map(|s| s.cache.bytes()).sum();
+        seqs + self.prompt_cache.as_ref().map_or(0, |pc| pc.stats().bytes)
+    }
+
     /// A fresh cache for a sequence, in the configured layout.
     fn fresh_cache(&self) -> SeqCache {
         fresh_in(self.model, self.paged.as_ref())

@@ -21,6 +21,8 @@
 
 use half::f16;
 
+pub mod turbo;
+
 /// A quantized cache format: bits per value and values per group (along head_dim).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct KvQuant {
@@ -28,6 +30,10 @@ pub struct KvQuant {
     pub group: usize,
     /// Rows (and queries) rotated by the Walsh–Hadamard transform (the default).
     pub rotate: bool,
+    /// TurboQuant (`KvQuant::turbo`): values are coded apart, with a Lloyd–Max codebook of this
+    /// many bits after a sign flip and rotation ([`turbo`]); keys as the fields above say. Such
+    /// a format names a cache (`ferrolm_kv`'s `TurboCache`), never rows handed to attention.
+    pub turbo_values: Option<u8>,
 }
 
 /// Group sizes accepted (powers of two, multiples of the 32-value 4-bit block).
@@ -42,7 +48,31 @@ impl KvQuant {
         if !GROUP_SIZES.contains(&group) {
             return Err(format!("KV group size must be one of {GROUP_SIZES:?}, not {group}"));
         }
-        Ok(Self { bits, group, rotate: true })
+        Ok(Self { bits, group, rotate: true, turbo_values: None })
+    }
+
+    /// TurboQuant as mlx-bun (`--kv-quant turbo[:k<b>v<b>]`, default k8v3): keys affine
+    /// `k_bits` (8 or 4) in groups of 32 without rotation, values `v_bits` (2, 3 or 4) of
+    /// Lloyd–Max codes after a sign flip and rotation.
+    pub fn turbo(k_bits: u8, v_bits: u8) -> Result<Self, String> {
+        if !(2..=4).contains(&v_bits) {
+            return Err(format!("TurboQuant value bits must be 2, 3 or 4, not {v_bits}"));
+        }
+        let keys = Self::new(k_bits, turbo::GROUP).map_err(|e| format!("TurboQuant keys: {e}"))?;
+        Ok(Self { rotate: false, turbo_values: Some(v_bits), ..keys })
+    }
+
+    /// The key rows' format of a TurboQuant format (itself otherwise).
+    pub fn keys(&self) -> Self {
+        Self { turbo_values: None, ..*self }
+    }
+
+    /// Bytes of one (head, token) value row: a TurboQuant value row, else `row_bytes`.
+    pub fn value_row_bytes(&self, d: usize) -> usize {
+        match self.turbo_values {
+            Some(bits) => turbo::row_bytes(bits, d),
+            None => self.row_bytes(d),
+        }
     }
 
     /// The format without (false) or with the Hadamard rotation.
@@ -52,6 +82,9 @@ impl KvQuant {
 
     /// Whether rows of head size `d` can be stored (whole groups).
     pub fn check_head_dim(&self, d: usize) -> Result<(), String> {
+        if self.turbo_values.is_some() && d % 64 != 0 {
+            return Err(format!("TurboQuant needs a head_dim that is a multiple of 64, not {d}"));
+        }
         match d % self.group {
             0 => Ok(()),
             _ => Err(format!("head_dim {d} is not a multiple of the KV group size {}", self.group)),
@@ -61,6 +94,9 @@ impl KvQuant {
     /// Names the format in cache signatures: `q8g64`.
     /// `-norot` marks a format without the rotation.
     pub fn name(&self) -> String {
+        if let Some(v) = self.turbo_values {
+            return format!("turbo-k{}v{v}", self.bits);
+        }
         format!("q{}g{}{}", self.bits, self.group, if self.rotate { "" } else { "-norot" })
     }
 
@@ -181,11 +217,12 @@ pub fn rotate_rows(x: &mut [f32], d: usize) {
     for block in x.chunks_exact_mut(n) {
         let mut h = 1;
         while h < n {
-            for i in (0..n).step_by(2 * h) {
-                for j in i..i + h {
-                    let (a, b) = (block[j], block[j + h]);
-                    block[j] = a + b;
-                    block[j + h] = a - b;
+            // Written over slice halves so that the stages with h ≥ 8 vectorize; each
+            // butterfly is the same two operations in any case.
+            for pair in block.chunks_exact_mut(2 * h) {
+                let (lo, hi) = pair.split_at_mut(h);
+                for (a, b) in lo.iter_mut().zip(hi.iter_mut()) {
+                    (*a, *b) = (*a + *b, *a - *b);
                 }
             }
             h *= 2;

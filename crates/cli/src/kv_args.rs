@@ -21,11 +21,22 @@ pub struct KvArgs {
     /// Quantize keys and values as they are, without the Walsh–Hadamard rotation.
     #[arg(long)]
     kv_no_rotate: bool,
+    /// TurboQuant KV (mlx-bun's scheme, docs/kv_quant.md): `turbo` (keys 8-bit affine, values
+    /// 3-bit Lloyd–Max codes after a sign flip and Walsh–Hadamard rotation) or
+    /// `turbo:k<bits>v<bits>` (keys 8 or 4, values 2, 3 or 4). CPU only; not with --kv-bits.
+    #[arg(long)]
+    kv_quant: Option<String>,
 }
 
 impl KvArgs {
     pub fn scheme(&self) -> CliResult<KvScheme> {
         let bits = self.kv_bits.as_deref().map(|b| b.parse::<u8>().map_err(|e| CliError::usage(format!("--kv-bits: {e}")))).transpose()?;
+        if let Some(spec) = &self.kv_quant {
+            if bits.is_some_and(|b| b != 16) || self.kv_no_rotate {
+                return Err(CliError::usage("--kv-quant takes its own bits: it is not combined with --kv-bits or --kv-no-rotate"));
+            }
+            return KvScheme::from_kv_quant(spec).map_err(CliError::usage);
+        }
         let scheme = KvScheme::from_flags(bits, self.kv_group_size).map_err(CliError::usage)?;
         Ok(match scheme {
             KvScheme::Quant(q) => KvScheme::Quant(q.with_rotation(!self.kv_no_rotate)),
@@ -40,10 +51,13 @@ impl KvArgs {
 }
 
 /// `f16` (or `f32`) or `q<bits>g<group>` (`q8g32`, `q4g64`), `-norot` appended for a format
-/// without the rotation.
+/// without the rotation, or TurboQuant: `turbo`, `turbo-k8v3`.
 pub fn parse_scheme(s: &str) -> Result<KvScheme, String> {
     if s == "f16" || s == "f32" {
         return Ok(KvScheme::Float);
+    }
+    if s.starts_with("turbo") {
+        return KvScheme::from_kv_quant(s);
     }
     let bad = || format!("KV scheme `{s}`: expected f16 or q<bits>g<group>[-norot] (q8g32, q4g64-norot)");
     let (s, rotate) = match s.strip_suffix("-norot") {
@@ -71,7 +85,7 @@ mod tests {
 
     #[test]
     fn scheme_names_round_trip() {
-        for name in ["f16", "q8g32", "q8g64", "q4g32", "q4g128", "q8g32-norot"] {
+        for name in ["f16", "q8g32", "q8g64", "q4g32", "q4g128", "q8g32-norot", "turbo-k8v3", "turbo-k4v2"] {
             let back = scheme_name(&parse_scheme(name).unwrap());
             assert!(back == name || (name == "f16" && back == "f32"), "{name}: {back}");
         }

@@ -1,10 +1,14 @@
 //! Quantized KV caches (`--kv-bits 8|4`, `--kv-group-size`): keys and values quantized as they
 //! are written (affine groups along head_dim, `ferrolm_backend::kv_quant`), held as U8 rows in
-//! a growing contiguous buffer; attention reads the rows directly.
+//! a growing contiguous buffer; attention reads the rows directly. TurboQuant
+//! (`--kv-quant turbo`) is the format `KvQuant::turbo` in a [`TurboCache`].
 
 use crate::{KvCache, KvView, PlainCache};
 use candle_core::{DType, Device, Result, Tensor};
 use ferrolm_backend::kv_quant::{self, KvQuant};
+
+mod turbo;
+pub use turbo::TurboCache;
 
 /// How a model's full-attention layers cache keys and values. Sliding-window layers (Gemma 3's
 /// local layers, Mistral-style windows) stay float: their caches are small and bounded.
@@ -38,8 +42,24 @@ impl KvScheme {
     pub fn full_layer(&self, kv_heads: usize, head_dim: usize, dtype: DType, device: &Device) -> Box<dyn KvCache> {
         match self {
             Self::Float => Box::new(PlainCache::new(kv_heads, head_dim, dtype, device)),
+            Self::Quant(q) if q.turbo_values.is_some() => Box::new(TurboCache::new(kv_heads, head_dim, *q, device)),
             Self::Quant(q) => Box::new(QuantCache::new(kv_heads, head_dim, *q, device)),
         }
+    }
+
+    /// From `--kv-quant`: `turbo` (mlx-bun's default, keys 8 bits and values 3) or
+    /// `turbo:k<b>v<b>` (`turbo:k4v3`); also `turbo-k<b>v<b>`, the format's name.
+    pub fn from_kv_quant(spec: &str) -> std::result::Result<Self, String> {
+        let bad = || format!("--kv-quant `{spec}`: expected turbo or turbo:k<bits>v<bits> (turbo:k8v3)");
+        let bits = match spec {
+            "turbo" => (8, 3),
+            _ => {
+                let rest = spec.strip_prefix("turbo:").or_else(|| spec.strip_prefix("turbo-")).ok_or_else(bad)?;
+                let (k, v) = rest.strip_prefix('k').and_then(|r| r.split_once('v')).ok_or_else(bad)?;
+                (k.parse::<u8>().map_err(|_| bad())?, v.parse::<u8>().map_err(|_| bad())?)
+            }
+        };
+        KvQuant::turbo(bits.0, bits.1).map(Self::Quant)
     }
 }
 
@@ -201,6 +221,19 @@ mod tests {
         assert!(tier.best(&tokens, 9).is_some_and(|(i, _)| tier.load(i, make(q.with_rotation(false))).is_none()));
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
+    }
+
+    #[test]
+    fn turbo_schemes() {
+        assert_eq!(KvScheme::from_kv_quant("turbo"), Ok(KvScheme::Quant(KvQuant::turbo(8, 3).unwrap())));
+        assert_eq!(KvScheme::from_kv_quant("turbo:k4v2"), Ok(KvScheme::Quant(KvQuant::turbo(4, 2).unwrap())));
+        assert_eq!(KvScheme::from_kv_quant("turbo-k8v4"), Ok(KvScheme::Quant(KvQuant::turbo(8, 4).unwrap())));
+        for bad in ["turbo:k8", "turbo:k3v3", "turbo:k8v5", "turbo:v3k8", "tq", "turbo:"] {
+            assert!(KvScheme::from_kv_quant(bad).is_err(), "{bad}");
+        }
+        let s = KvScheme::from_kv_quant("turbo").unwrap();
+        assert!(s.check(128, &Device::Cpu).is_ok() && s.check(96, &Device::Cpu).is_err());
+        assert_eq!(s.full_layer(2, 128, DType::F16, &Device::Cpu).signature(), "kv:turbo-k8v3");
     }
 
     #[test]

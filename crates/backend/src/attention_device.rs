@@ -147,7 +147,8 @@ fn append_and_attend_cuda(s: &StaticStep<'_>) -> Result<Option<Tensor>> {
     attend_at(&s.rope.apply_at(&q, s.pos)?, s.cache_k, s.cache_v, s.pos, s.params).map(Some)
 }
 
-/// One decode token of each of B sequences (q `[B, Hq, D]`, k and v `[B, Hkv, D]`, unrotated),
+/// One decode token of each of B sequences (q `[B, Hq·D]`, k and v `[B, Hkv·D]`, unrotated; rows
+/// may be strided views, e.g. of a stacked QKV product),
 /// each over its own whole cache buffers (`buffers[i]`, `[Hkv, capacity, D]`) at its host position
 /// `positions[i]`: rotates, appends and attends in one CUDA launch for the batch. Returns
 /// `[B, Hq·D]`, or None where the kernel does not apply (not on CUDA, head size, grouping, dtype):
@@ -165,8 +166,7 @@ pub fn append_and_attend_batch(
     if matches!(q.device(), Device::Cuda(_)) {
         use crate::cuda::ops::{attend_decode_batch, DecodeBatch, RopeTables};
         let (cos, sin, interleaved) = rope.tables()?;
-        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-        let batch = DecodeBatch { q: &q, k: &k, v: &v, buffers, positions, rope: RopeTables { cos, sin, interleaved }, params };
+        let batch = DecodeBatch { q, k, v, buffers, positions, rope: RopeTables { cos, sin, interleaved }, params };
         return attend_decode_batch(&batch);
     }
     let _ = (q, k, v, buffers, positions, rope, params);

@@ -725,7 +725,8 @@ ATTN_INSTANCE(float, f32, 256, ATTN_MAX_G, )
 // (`[Hkv, capacity, D]`, capacity > its position): blockIdx.z is the sequence. Per sequence,
 // `seqs` holds BATCH_FIELDS 64-bit words: K buffer, V buffer, head stride (elements), position,
 // and the offset of its first partial row (its partial rows are hq * nsplit from there). The
-// sequence's new key and value (k_new, v_new `[B, Hkv, D]`, unrotated) are rotated and written
+// sequence's new key and value (k_new, v_new: rows of Hkv·D, unrotated, q_row / k_row / v_row
+// elements apart: read in place from the QKV product) are rotated and written
 // at its position, q (`[B, Hq, D]`, unrotated) rotated, and keys 0..=position attended: one
 // launch for the whole batch instead of rope, append and attention per sequence. Each (sequence,
 // kv head, split) item is exactly the single-sequence kernel's, so a row's output does not
@@ -736,7 +737,7 @@ template <typename T, int D, int MG>
 __device__ void attn_decode_batch(const T* q, const long long* seqs, const float* cos_t, const float* sin_t, int G,
                                   int hkv, int window, float scale, float softcap, int interleaved, float* part_m,
                                   float* part_l, float* part_acc, const T* k_new, const T* v_new, unsigned* counters,
-                                  T* out) {
+                                  T* out, long q_row, long k_row, long v_row) {
   const long long* p = seqs + (size_t)blockIdx.z * BATCH_FIELDS;
   long qpos = (long)p[3];
   int s_max = (int)(qpos + 1);
@@ -744,17 +745,19 @@ __device__ void attn_decode_batch(const T* q, const long long* seqs, const float
   if ((int)blockIdx.y >= nsplit) return;
   __shared__ AttnShared<D, MG> S;
   size_t b = blockIdx.z, hq = (size_t)hkv * G, part = (size_t)p[4];
-  attn_item<T, D, MG, MERGE_BATCH>(q + b * hq * D, reinterpret_cast<T*>(p[0]), reinterpret_cast<T*>(p[1]), cos_t, sin_t,
+  attn_item<T, D, MG, MERGE_BATCH>(q + b * q_row, reinterpret_cast<T*>(p[0]), reinterpret_cast<T*>(p[1]), cos_t, sin_t,
                                    qpos, G, (long)p[2], 0, s_max, window, scale, softcap, interleaved, part_m + part,
-                                   part_l + part, part_acc + part * D, k_new + b * hkv * D, v_new + b * hkv * D,
+                                   part_l + part, part_acc + part * D, k_new + b * k_row, v_new + b * v_row,
                                    counters + b * hkv, out + b * hq * D, blockIdx.x, blockIdx.y, nsplit,
                                    AttnGroup{(int)threadIdx.x, 0}, S, [&] { pdl_prologue(); });
 }
 #define ATTN_BATCH_INSTANCE(T, NAME, D, MG, SUFFIX)                                                                  \
   extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) fl_attn_batch_##NAME##_d##D##SUFFIX(   \
       const T* q, const long long* seqs, const float* c, const float* s, int G, int hkv, int win, float scale,        \
-      float cap, int inter, float* pm, float* pl, float* pa, const T* kn, const T* vn, unsigned* cnt, T* out) {       \
-    attn_decode_batch<T, D, MG>(q, seqs, c, s, G, hkv, win, scale, cap, inter, pm, pl, pa, kn, vn, cnt, out);         \
+      float cap, int inter, float* pm, float* pl, float* pa, const T* kn, const T* vn, unsigned* cnt, T* out,         \
+      long qr, long kr, long vr) {                                                                                    \
+    attn_decode_batch<T, D, MG>(q, seqs, c, s, G, hkv, win, scale, cap, inter, pm, pl, pa, kn, vn, cnt, out, qr, kr,  \
+                                vr);                                                                                  \
   }
 ATTN_BATCH_INSTANCE(bf16, bf16, 64, ATTN_MAX_G, )
 ATTN_BATCH_INSTANCE(bf16, bf16, 128, ATTN_MAX_G, )

@@ -208,8 +208,9 @@ pub fn attend_decode(a: &DecodeAttention<'_>) -> Result<Option<Tensor>> {
 }
 
 /// One decode row of each of B sequences against each one's own cache buffers, in one launch
-/// (`fl_attn_batch_*`): q `[B, Hq, D]`, k and v `[B, Hkv, D]` (all unrotated, contiguous), and
-/// per sequence its whole buffers `[Hkv, capacity, D]` and its position (capacity > position).
+/// (`fl_attn_batch_*`): q `[B, Hq·D]`, k and v `[B, Hkv·D]` (unrotated; each row contiguous, rows
+/// any stride apart: views of a stacked QKV product are read in place), and per sequence its
+/// whole buffers `[Hkv, capacity, D]` and its position (capacity > position).
 /// The new key (rotated) and value are written at each position; returns `[B, Hq·D]`, each row
 /// bit-identical to that sequence's single-row [`attend_decode`] with rope and append.
 pub struct DecodeBatch<'a> {
@@ -223,11 +224,20 @@ pub struct DecodeBatch<'a> {
 }
 
 pub fn attend_decode_batch(a: &DecodeBatch<'_>) -> Result<Option<Tensor>> {
-    let Some((dev, sfx)) = on(a.q) else { return Ok(None) };
-    let (Ok((b, hq, d)), Ok((bk, hkv, dk))) = (a.q.dims3(), a.k.dims3()) else { return Ok(None) };
+    let Some(dev) = cuda_device(a.q).filter(|_| policy().kernels) else { return Ok(None) };
+    let Some(sfx) = suffix(a.q.dtype()) else { return Ok(None) };
+    let Some((hkv, _, d)) = a.buffers.first().and_then(|(k, _)| k.dims3().ok()) else { return Ok(None) };
+    let (Ok((b, qw)), Ok((bk, kw))) = (a.q.dims2(), a.k.dims2()) else { return Ok(None) };
+    let hq = qw / d.max(1);
     let dtype = a.q.dtype();
+    // Rows of contiguous elements, 16-byte aligned, any distance apart.
+    let rows_ok = |t: &Tensor| -> Result<bool> {
+        let s = t.stride();
+        Ok(s[1] == 1 && (s[0] * t.dtype().size_in_bytes()) % 16 == 0 && ptr(t)? % 16 == 0)
+    };
     let inputs_ok = bk == b
-        && dk == d
+        && kw == hkv * d
+        && qw == hq * d
         && b == a.buffers.len()
         && b == a.positions.len()
         && matches!(d, 64 | 128 | 256)
@@ -237,11 +247,11 @@ pub fn attend_decode_batch(a: &DecodeBatch<'_>) -> Result<Option<Tensor>> {
         && a.k.dtype() == dtype
         && a.v.dtype() == dtype
         && a.v.dims() == a.k.dims()
-        && a.k.is_contiguous()
-        && a.v.is_contiguous()
+        && cuda_device(a.k).is_some()
+        && cuda_device(a.v).is_some()
         && f32_on_device(a.rope.cos)
         && f32_on_device(a.rope.sin);
-    if !inputs_ok {
+    if !inputs_ok || !rows_ok(a.q)? || !rows_ok(a.k)? || !rows_ok(a.v)? {
         return Ok(None);
     }
     // Per sequence: K, V, head stride, position, first partial row (see kernels.cu).
@@ -272,7 +282,8 @@ pub fn attend_decode_batch(a: &DecodeBatch<'_>) -> Result<Option<Tensor>> {
         dev, &format!("fl_attn_batch_{sfx}_d{d}{g4}"), (hkv as u32, most as u32, b as u32), 128,
         ptr(a.q)?, ptr(&seqs)?, ptr(a.rope.cos)?, ptr(a.rope.sin)?, (hq / hkv) as i32, hkv as i32,
         p.window.unwrap_or(0) as i32, p.scale, p.softcap.unwrap_or(0.0), a.rope.interleaved as i32,
-        ptr(&part_m)?, ptr(&part_l)?, ptr(&part_acc)?, ptr(a.k)?, ptr(a.v)?, ptr(&counters)?, ptr(&out)?
+        ptr(&part_m)?, ptr(&part_l)?, ptr(&part_acc)?, ptr(a.k)?, ptr(a.v)?, ptr(&counters)?, ptr(&out)?,
+        a.q.stride()[0] as i64, a.k.stride()[0] as i64, a.v.stride()[0] as i64
     );
     Ok(Some(out))
 }

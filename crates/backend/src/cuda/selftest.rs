@@ -158,7 +158,10 @@ fn check_attention_batch(dev: &Device, hq: usize, hkv: usize, d: usize) -> Resul
         .map(|&s| Ok((randn((hkv, s + 1 + 37, d), bf, dev)?, randn((hkv, s + 1 + 37, d), bf, dev)?)))
         .collect::<Result<_>>()?;
     let copies: Vec<(Tensor, Tensor)> = caches.iter().map(|(a, c)| Ok((a.copy()?, c.copy()?))).collect::<Result<_>>()?;
-    let batch = ops::DecodeBatch { q: &q, k: &k, v: &v, buffers: &caches, positions: &positions, rope: tables, params: &p };
+    // q, k and v as the side-by-side views of one stacked product's rows, read in place.
+    let stacked = Tensor::cat(&[q.flatten_from(1)?, k.flatten_from(1)?, v.flatten_from(1)?], 1)?;
+    let (qs, ks, vs) = (stacked.narrow(1, 0, hq * d)?, stacked.narrow(1, hq * d, hkv * d)?, stacked.narrow(1, (hq + hkv) * d, hkv * d)?);
+    let batch = ops::DecodeBatch { q: &qs, k: &ks, v: &vs, buffers: &caches, positions: &positions, rope: tables, params: &p };
     let got = need(ops::attend_decode_batch(&batch)?, "attend_decode_batch")?;
     let mut error = 0.0;
     for (i, (&s, (kc, vc))) in positions.iter().zip(&copies).enumerate() {

@@ -28,6 +28,16 @@ pub struct SelfAttention {
     pub cfg: SelfAttentionConfig,
 }
 
+/// The rows left after the batched decode rows: spans from `done` on, whose q, k and v (split into
+/// heads) start at row `first_row` of the batch.
+struct Rest<'a> {
+    done: usize,
+    first_row: usize,
+    q: &'a Tensor,
+    k: &'a Tensor,
+    v: &'a Tensor,
+}
+
 impl SelfAttention {
     /// x `[tokens, hidden]` holding every sequence's rows (`rows`); `caches[i]` is this layer's
     /// cache of sequence i. Returns `[tokens, hidden]`.
@@ -55,24 +65,58 @@ impl SelfAttention {
                 *y = lora::apply(rows, i, target, x, y.clone())?;
             }
         }
-        let (q, k, v) = self.heads(qkv, x.dims()[0])?;
+        let tokens = x.dims()[0];
+        // The leading one-token decode rows in one launch where the device has the kernel,
+        // read in place from the products' outputs when no q/k norm comes between.
+        let (mut outs, done) = match self.q_norm.is_none() {
+            true => match self.decode_batch_on_device(&qkv[0], &qkv[1], &qkv[2], rows, caches)? {
+                Some((out, n)) => (vec![out], n),
+                None => (Vec::new(), 0),
+            },
+            false => (Vec::new(), 0),
+        };
+        // The other rows split into heads (copies), normed where the model norms q and k.
+        let start = rows.spans.get(done).map_or(tokens, |s| s.row);
+        if start == tokens {
+            return self.output(outs, rows, layer);
+        }
+        let rest = qkv.iter().map(|t| t.narrow(0, start, tokens - start)).collect::<Result<Vec<_>>>()?;
+        let (q, k, v) = self.heads(rest, tokens - start)?;
         let (q, k) = match (&self.q_norm, &self.k_norm) {
             (Some(qn), Some(kn)) => (qn.forward(&q)?, kn.forward(&k)?),
             _ => (q, k),
         };
-        // The leading one-token decode rows in one launch where the device has the kernel.
-        let (mut outs, done) = match self.decode_batch_on_device(&q, &k, &v, rows, caches)? {
-            Some((out, n)) => (vec![out], n),
-            None => (Vec::new(), 0),
-        };
+        if done == 0 && self.q_norm.is_some() {
+            let flat = |t: &Tensor| t.flatten_from(1);
+            if let Some((out, n)) = self.decode_batch_on_device(&flat(&q)?, &flat(&k)?, &flat(&v)?, rows, caches)? {
+                outs.push(out);
+                let rest = Rest { done: n, first_row: start, q: &q, k: &k, v: &v };
+                return self.forward_rest(outs, rest, rows, caches, layer);
+            }
+        }
+        let rest = Rest { done, first_row: start, q: &q, k: &k, v: &v };
+        self.forward_rest(outs, rest, rows, caches, layer)
+    }
+
+    /// Attention for the spans from `rest.done` on, after `outs` (the rows before), then the
+    /// output product.
+    fn forward_rest(
+        &self,
+        mut outs: Vec<Tensor>,
+        rest: Rest<'_>,
+        rows: &BatchRows,
+        caches: &mut [&mut dyn KvCache],
+        layer: Option<usize>,
+    ) -> Result<Tensor> {
+        let (q, k, v, done) = (rest.q, rest.k, rest.v, rest.done);
         // Each other sequence's queries, rotated, and the keys and values it attends over (its
         // new ones appended to its cache).
         let mut seqs = Vec::with_capacity(rows.spans.len());
         for (span, cache) in rows.spans.iter().zip(caches.iter_mut()).skip(done) {
-            let part = |t: &Tensor| t.narrow(0, span.row, span.len);
-            let qs = self.rope.apply(&part(&q)?, span.position)?;
-            let ks = self.rope.apply(&part(&k)?, span.position)?;
-            let kv = cache.update_and_fetch(&ks.transpose(0, 1)?, &part(&v)?.transpose(0, 1)?)?;
+            let part = |t: &Tensor| t.narrow(0, span.row - rest.first_row, span.len);
+            let qs = self.rope.apply(&part(q)?, span.position)?;
+            let ks = self.rope.apply(&part(k)?, span.position)?;
+            let kv = cache.update_and_fetch(&ks.transpose(0, 1)?, &part(v)?.transpose(0, 1)?)?;
             let pos = Positions { query_start: span.position, key_start: kv.key_start };
             seqs.push((qs, kv, pos));
         }
@@ -88,6 +132,11 @@ impl SelfAttention {
                 None => attend_prompt_quant(q, &kv.k, &kv.v, kv.quant, *pos, &self.cfg.params)?,
             });
         }
+        self.output(outs, rows, layer)
+    }
+
+    /// The output product of the attention rows (`outs` in row order), LoRA added.
+    fn output(&self, mut outs: Vec<Tensor>, rows: &BatchRows, layer: Option<usize>) -> Result<Tensor> {
         let attn = if outs.len() == 1 {
             outs.pop().unwrap()
         } else {

@@ -69,15 +69,34 @@ impl Proposer for NgramProposer {
     }
 }
 
-/// The index right after the most recent earlier occurrence of `history`'s last `n` tokens.
+/// The index right after the earlier occurrence of `history`'s last `n` tokens whose preceding
+/// tokens agree longest with those before the tail (up to `AGREE` more), the latest of those:
+/// text that repeats with variations (a file of similar functions, a list) has many copies of
+/// a short n-gram, and the copy with the longest shared context is the one being repeated.
 fn last_earlier_match(history: &[TokenId], n: usize) -> Option<usize> {
     if history.len() <= n {
         return None;
     }
-    let tail = &history[history.len() - n..];
-    // Occurrences ending before the tail itself; the latest one first.
-    (0..history.len() - n).rev().find(|&i| &history[i..i + n] == tail).map(|i| i + n)
+    let start = history.len() - n;
+    let tail = &history[start..];
+    // How many tokens before occurrence `i` equal those before the tail.
+    let agree = |i: usize| (1..=AGREE.min(i)).take_while(|&k| history[i - k] == history[start - k]).count();
+    let mut best: Option<(usize, usize)> = None;
+    // Occurrences ending before the tail itself; the latest first, so that it wins ties.
+    for i in (0..start).rev().filter(|&i| &history[i..i + n] == tail) {
+        let a = agree(i);
+        if best.is_none_or(|(b, _)| a > b) {
+            best = Some((a, i + n));
+        }
+        if a == AGREE {
+            break;
+        }
+    }
+    best.map(|(_, end)| end)
 }
+
+/// Tokens of context beyond the n-gram compared when choosing among its earlier occurrences.
+const AGREE: usize = 32;
 
 /// Counters of one sequence's speculation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -102,6 +121,15 @@ mod tests {
         let h = [9, 1, 2, 7, 8, 1, 2, 5, 1, 2];
         assert_eq!(p.propose(&h, 2), vec![5, 1]);
         assert_eq!(p.propose(&h, 0), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn among_copies_of_the_n_gram_the_one_in_the_longest_shared_context_wins() {
+        let mut p = NgramProposer::ungated(&SpecConfig { max_drafts: 8, ngram_min: 1, ngram_max: 2 });
+        // "f3 ( a b ) 30" … "f2 ( a b ) 20" … "f3 ( a b": the later copy of "a b" follows f2, the
+        // earlier one f3 — as the tail does — so what followed the earlier one is proposed.
+        let h = [103, 40, 1, 2, 41, 30, 102, 40, 1, 2, 41, 20, 103, 40, 1, 2];
+        assert_eq!(p.propose(&h, 2), vec![41, 30]);
     }
 }
 
@@ -159,7 +187,10 @@ impl<'a> DraftModelProposer<'a> {
         Ok(())
     }
 
-    fn draft(&mut self, history: &[TokenId], max: usize) -> candle_core::Result<Vec<TokenId>> {
+    /// Up to `max` greedy guesses; with `min_p`, ending before the first guess the draft gives
+    /// less than that probability (a guess it doubts is likely rejected, and costs a decode of
+    /// the draft plus a verified row).
+    fn draft(&mut self, history: &[TokenId], max: usize, min_p: Option<f32>) -> candle_core::Result<Vec<TokenId>> {
         let (pending, known) = history.split_last().expect("a decoding sequence has tokens");
         self.follow(known)?;
         let mut token = *pending;
@@ -167,12 +198,29 @@ impl<'a> DraftModelProposer<'a> {
         for _ in 0..max {
             let hidden = self.model.forward_hidden(&mut [ferrolm_models::SeqInput::decode(&[token], &mut self.cache)])?;
             self.cached.push(token);
-            token = self.model.project_logits(&hidden)?.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?;
+            let logits = self.model.project_logits(&hidden)?.squeeze(0)?.to_vec1::<f32>()?;
+            let (best, p) = argmax_and_probability(&logits);
+            if min_p.is_some_and(|m| p < m) {
+                break;
+            }
+            token = best;
             drafts.push(token);
         }
         Ok(drafts)
     }
 }
+
+/// The largest logit's token and its softmax probability (the first of equal maxima, as
+/// `argmax` takes it).
+fn argmax_and_probability(logits: &[f32]) -> (TokenId, f32) {
+    let (best, max) = logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |(b, m), (i, &v)| if v > m { (i, v) } else { (b, m) });
+    let sum: f32 = logits.iter().map(|&v| (v - max).exp()).sum();
+    (best as TokenId, 1.0 / sum)
+}
+
+/// The draft model's guesses stop at one it gives less than this probability (with prompt
+/// lookup and the gate; the model alone guesses every step).
+const DRAFT_MIN_P: f32 = 0.5;
 
 /// Catch-ups longer than this go in as prompt rows (see `DraftModelProposer::follow`).
 const DECODE_CATCH_UP: usize = 4;
@@ -192,7 +240,8 @@ impl Proposer for DraftModelProposer<'_> {
         if max == 0 || history.is_empty() {
             return Vec::new();
         }
-        self.draft(history, max).unwrap_or_else(|e| {
+        let min_p = self.lookup.is_some().then_some(DRAFT_MIN_P);
+        self.draft(history, max, min_p).unwrap_or_else(|e| {
             tracing::warn!("draft model: {e}; no drafts this step");
             Vec::new()
         })

@@ -5,6 +5,7 @@ OpenAI, Anthropic and Responses endpoints; unknown names and bad folders are 400
 error shape. That the numbers equal transformers+peft is crates/engine/tests/lora.rs's job; here
 the base answer stays byte-identical whatever ran before or beside it."""
 import concurrent.futures
+import json
 import subprocess
 
 import httpx
@@ -121,6 +122,18 @@ def test_adapter_on_chat_anthropic_and_responses(http):
     for f in [chat, anth, resp]:
         assert f("one") != f("none")
         assert f("none") == f("none")
+
+
+def test_generate_runs_with_adapters():
+    def tokens(*flags):
+        r = subprocess.run([binary(), "generate", "--model", str(QWEN3), "--raw", "--prompt", "abc def ghi", "--max-tokens", "10",
+                            "--device", "cpu", "--json", *flags], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["tokens"]
+    one, two = f"one={LORA / 'qwen3' / 'one'}", f"two={LORA / 'qwen3' / 'two'}"
+    base, with_one = tokens(), tokens("--adapter", one)
+    assert with_one != base and tokens("--adapter", one) == with_one
+    assert tokens("--adapter", one, "--adapter", two) not in (base, with_one)
 
 
 def test_a_bad_adapter_flag_stops_the_server():

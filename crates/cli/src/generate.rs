@@ -5,7 +5,7 @@ use crate::{CliError, CliResult};
 use ferrolm_core::{
     CancelToken, GenerateParams, GenerationStats, SamplingParams, TokenEvent, TokenLogprobs,
 };
-use ferrolm_engine::{bundle, generate, Bundle, Flow, GenerateInput};
+use ferrolm_engine::{bundle, generate_with_adapters, Bundle, Flow, GenerateInput};
 use ferrolm_sample::{Sampler, SamplerConfig};
 use ferrolm_text::IncrementalDecoder;
 use serde_json::json;
@@ -56,6 +56,10 @@ pub struct Args {
     device: String,
     #[command(flatten)]
     kv: crate::kv_args::KvArgs,
+    /// Runs with the PEFT LoRA folder DIR (repeatable: stacked in the order given; NAME only
+    /// labels it), as `serve --adapter` mounts it.
+    #[arg(long = "adapter", value_name = "NAME=DIR")]
+    adapters: Vec<String>,
 }
 
 impl Args {
@@ -99,6 +103,7 @@ pub fn run(args: Args) -> CliResult<()> {
     progress.finish(loaded.is_ok());
     let mut bundle = loaded.map_err(CliError::usage)?;
     args.kv.apply(bundle.model.as_mut())?;
+    crate::serve::mount_adapters(&args.adapters, &bundle)?;
     let messages = (!args.raw).then(|| args.messages(&text));
     let prompt = bundle
         .prompt_ids(messages.as_ref(), &text)
@@ -112,6 +117,7 @@ pub fn run(args: Args) -> CliResult<()> {
     let params = GenerateParams {
         max_tokens: args.max_tokens,
         sampling: args.sampling(),
+        adapter: adapter_stack(&args.adapters),
         ..Default::default()
     };
     let mut out = Output::new(&bundle, args.json);
@@ -122,8 +128,9 @@ pub fn run(args: Args) -> CliResult<()> {
         cancel: &CancelToken::new(),
         graph: ferrolm_engine::GraphSettings::from_env(),
     };
-    let stats = generate(
+    let stats = generate_with_adapters(
         bundle.model.as_ref(),
+        Some(&bundle.adapters),
         &mut bundle.model.make_cache(),
         input,
         &mut sampler,
@@ -135,6 +142,12 @@ pub fn run(args: Args) -> CliResult<()> {
     .map_err(CliError::runtime)?;
     out.finish(&prompt, &stats);
     Ok(())
+}
+
+/// The `--adapter NAME=DIR`s' names stacked in order (`a+b`), None without any.
+fn adapter_stack(specs: &[String]) -> Option<String> {
+    let names: Vec<&str> = specs.iter().filter_map(|s| s.split_once('=').map(|(n, _)| n)).collect();
+    (!names.is_empty()).then(|| names.join("+"))
 }
 
 /// Streams text to stdout, or collects everything for one JSON object.

@@ -58,6 +58,18 @@ pub fn generate(
     sampler: &mut dyn TokenSampler,
     on_token: &mut dyn FnMut(TokenEvent) -> Flow,
 ) -> candle_core::Result<GenerationStats> {
+    generate_with_adapters(model, None, cache, input, sampler, on_token)
+}
+
+/// [`generate`] where `input.params.adapter` names LoRA adapters mounted in `adapters`.
+pub fn generate_with_adapters(
+    model: &dyn CausalLm,
+    adapters: Option<&ferrolm_models::lora::Adapters>,
+    cache: &mut SeqCache,
+    input: GenerateInput<'_>,
+    sampler: &mut dyn TokenSampler,
+    on_token: &mut dyn FnMut(TokenEvent) -> Flow,
+) -> candle_core::Result<GenerationStats> {
     let outcome = Outcome::default();
     let request = SeqRequest {
         prompt: input.prompt.to_vec(),
@@ -71,6 +83,9 @@ pub fn generate(
     // One sequence: the whole prompt chunk fits a step, as before batching.
     let cfg = BatchConfig { max_batch_tokens: input.params.prefill_chunk.max(1), max_seqs: 1, kv_budget_bytes: usize::MAX, prompt_cache_bytes: 0 };
     let mut batch = Batch::new(model, cfg, input.graph);
+    if let Some(adapters) = adapters {
+        batch.set_adapters(adapters);
+    }
     batch.add(request, std::mem::replace(cache, SeqCache::new(Vec::new())));
     while !batch.is_idle() {
         for (_, c) in batch.step(&|| false).retired {

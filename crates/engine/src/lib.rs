@@ -24,7 +24,7 @@ pub use bundle::{Bundle, BundleError};
 pub use config::{BatchConfig, DiskSettings, GraphSettings};
 pub use constraint::TokenConstraint;
 pub use gauges::{EngineGauges, Histogram, BUCKETS};
-pub use generate::{generate, Flow, GenerateInput};
+pub use generate::{generate, generate_with_adapters, Flow, GenerateInput};
 pub use graph_decode::{DecodePath, GraphDecoder};
 pub use sampler::{Sampled, TokenSampler};
 pub use seq::{SeqRequest, Sink};

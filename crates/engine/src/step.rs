@@ -194,10 +194,12 @@ impl<'a> Batch<'a> {
         let id = self.next_id;
         self.next_id += 1;
         let lora = self.resolve_adapter(req.params.adapter.as_deref());
-        // Cached prefixes hold the base model's keys and values: a sequence with adapters
-        // computes its whole prompt (and its rows are not kept, `Sequence::prompt_rows`).
+        // Cached prefixes (and shared paged blocks) hold the base model's keys and values: a
+        // sequence with adapters computes its whole prompt in a fresh cache of the configured
+        // layout (and its rows are not kept or shared, `Sequence::prompt_rows`).
         let cache = match lora {
             Ok(None) => self.cached_prefix(&req.prompt, cache),
+            _ if cache.offset() == 0 => self.fresh_cache(),
             _ => cache,
         };
         let mut seq = Sequence::new(id, req, cache);

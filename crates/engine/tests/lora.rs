@@ -195,6 +195,7 @@ mod engine {
     //! Through the engine's batch: requests naming adapters (`GenerateParams::adapter`).
     use super::*;
     use ferrolm_core::{CancelToken, GenerateParams, GenerationStats, SamplingParams, TokenEvent};
+    use ferrolm_engine::config::KvLayout;
     use ferrolm_engine::{Batch, BatchConfig, Flow, SeqRequest, Sink};
     use ferrolm_models::lora::Adapters;
     use ferrolm_sample::{Sampler, SamplerConfig};
@@ -233,10 +234,23 @@ mod engine {
         }
     }
 
-    /// Runs `jobs` (prompt, adapter) in one batch, job i joining before step i; their traces.
-    fn run(model: &dyn CausalLm, adapters: &Adapters, jobs: &[(&[u32], Option<&str>)], cfg: BatchConfig) -> Vec<Trace> {
+    /// A batch over `model` with `adapters` mounted, its caches laid out as `layout` says.
+    fn batch<'a>(model: &'a dyn CausalLm, adapters: &'a Adapters, cfg: BatchConfig, layout: KvLayout) -> Batch<'a> {
         let mut batch = Batch::new(model, cfg, Default::default());
         batch.set_adapters(adapters);
+        batch.set_kv_layout(layout).unwrap();
+        batch
+    }
+
+    const PAGED: KvLayout = KvLayout::Paged { block_tokens: 16 };
+
+    /// Runs `jobs` (prompt, adapter) in one batch, job i joining before step i; their traces.
+    fn run(model: &dyn CausalLm, adapters: &Adapters, jobs: &[(&[u32], Option<&str>)], cfg: BatchConfig) -> Vec<Trace> {
+        run_in(model, adapters, jobs, cfg, KvLayout::Contiguous)
+    }
+
+    fn run_in(model: &dyn CausalLm, adapters: &Adapters, jobs: &[(&[u32], Option<&str>)], cfg: BatchConfig, layout: KvLayout) -> Vec<Trace> {
+        let mut batch = batch(model, adapters, cfg, layout);
         let outs: Vec<_> = jobs.iter().map(|_| Rc::new(RefCell::new(Trace::default()))).collect();
         let mut step = 0;
         while step < jobs.len() || !batch.is_idle() {
@@ -250,9 +264,8 @@ mod engine {
     }
 
     /// Runs `jobs` one after the other in one batch (each to its end before the next).
-    fn run_in_turn(model: &dyn CausalLm, adapters: &Adapters, jobs: &[(&[u32], Option<&str>)], cfg: BatchConfig) -> Vec<Trace> {
-        let mut batch = Batch::new(model, cfg, Default::default());
-        batch.set_adapters(adapters);
+    fn run_in_turn(model: &dyn CausalLm, adapters: &Adapters, jobs: &[(&[u32], Option<&str>)], cfg: BatchConfig, layout: KvLayout) -> Vec<Trace> {
+        let mut batch = batch(model, adapters, cfg, layout);
         let outs: Vec<_> = jobs.iter().map(|_| Rc::new(RefCell::new(Trace::default()))).collect();
         for ((prompt, adapter), out) in jobs.iter().zip(&outs) {
             batch.add(request(model, prompt, *adapter, out), model.make_cache());
@@ -287,10 +300,12 @@ mod engine {
         // Alone, the whole prompt in one chunk; together, joining step by step, prompts cut
         // into chunks of at most 7 rows beside the others' decode rows.
         let solo: Vec<Trace> = jobs.iter().map(|j| run(m, &adapters, &[*j], cfg(512, 0)).remove(0)).collect();
-        let together = run(m, &adapters, &jobs, cfg(7, 0));
-        for (i, (a, b)) in solo.iter().zip(&together).enumerate() {
-            assert_eq!(a.1, Some(Ok(0)), "job {i}: {:?}", a.1);
-            assert!(a == b, "job {i} ({:?}): in a batch not the same as alone", jobs[i].1);
+        for layout in [KvLayout::Contiguous, PAGED] {
+            let together = run_in(m, &adapters, &jobs, cfg(7, 0), layout);
+            for (i, (a, b)) in solo.iter().zip(&together).enumerate() {
+                assert_eq!(a.1, Some(Ok(0)), "job {i}: {:?}", a.1);
+                assert!(a == b, "job {i} ({:?}, {layout:?}): in a batch not the same as alone", jobs[i].1);
+            }
         }
         assert!(solo[0].0 != solo[4].0 && solo[3].0 != solo[0].0, "adapters change nothing");
         assert!(solo[4] == run(m, &adapters, &[(&r.ids[..24], None)], cfg(512, 0))[0], "\"none\" is the base model");
@@ -307,14 +322,18 @@ mod engine {
         let alone = |prompt: &[u32], adapter| run(m, &adapters, &[(prompt, adapter)], cfg(512, 0)).remove(0);
         // One after the other, prompt cache on: q extends p, so a base run of q after a base run
         // of p hits (cached tokens > 0); after a run with an adapter it must not.
-        let seq = run_in_turn(m, &adapters, &[(p, Some("one")), (q, None), (q, Some("one")), (p, None), (q, None)], cfg(512, 1 << 26));
-        // The same tokens and logprobs as alone (the outcomes' cached-token counts differ).
-        assert!(seq[0].0 == alone(p, Some("one")).0 && seq[2].0 == alone(q, Some("one")).0);
-        assert!(seq[1].0 == alone(q, None).0 && seq[3].0 == alone(p, None).0);
-        assert_eq!(seq[1].1, Some(Ok(0)), "a base request reused an adapter's prefix");
-        assert_eq!(seq[2].1, Some(Ok(0)), "an adapter request reused a base prefix");
-        assert!(matches!(seq[4].1, Some(Ok(n)) if n > 0), "base requests still share prefixes: {:?}", seq[4].1);
-        assert!(seq[4].0 == seq[1].0);
+        // With paged caches, prefixes are shared as blocks instead (the same rule applies).
+        for layout in [KvLayout::Contiguous, PAGED] {
+            let jobs: [(&[u32], Option<&str>); 5] = [(p, Some("one")), (q, None), (q, Some("one")), (p, None), (q, None)];
+            let seq = run_in_turn(m, &adapters, &jobs, cfg(512, 1 << 26), layout);
+            // The same tokens and logprobs as alone (the outcomes' cached-token counts differ).
+            assert!(seq[0].0 == alone(p, Some("one")).0 && seq[2].0 == alone(q, Some("one")).0, "{layout:?}");
+            assert!(seq[1].0 == alone(q, None).0 && seq[3].0 == alone(p, None).0, "{layout:?}");
+            assert_eq!(seq[1].1, Some(Ok(0)), "{layout:?}: a base request reused an adapter's prefix");
+            assert_eq!(seq[2].1, Some(Ok(0)), "{layout:?}: an adapter request reused a base prefix");
+            assert!(matches!(seq[4].1, Some(Ok(n)) if n > 0), "{layout:?}: base requests still share prefixes: {:?}", seq[4].1);
+            assert!(seq[4].0 == seq[1].0);
+        }
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! Adapters come from PEFT folders (`peft.rs`), checked against the base model's shapes
 //! ([`LoraBase`]) when they are mounted.
 
+mod host;
 mod peft;
 mod registry;
 
@@ -86,10 +87,12 @@ pub struct LoraBase {
     pub permute_qk: Option<(usize, usize)>,
 }
 
-/// One targeted linear's pair, stored transposed for `x·Aᵀ·Bᵀ`: `a_t` `[in, r]`, `b_t` `[r, out]`.
-struct Pair {
-    a_t: Tensor,
-    b_t: Tensor,
+/// One targeted linear's pair. On the CPU as f32 rows for the per-row kernel (`host.rs`): A
+/// `[r, in]`, B `[out, r]`; elsewhere as tensors in the activation dtype, transposed for
+/// `x·Aᵀ·Bᵀ`: `a_t` `[in, r]`, `b_t` `[r, out]`.
+enum Pair {
+    Host { a: Vec<f32>, b: Vec<f32>, rank: usize },
+    Device { a_t: Tensor, b_t: Tensor },
 }
 
 /// A mounted adapter: its low-rank pairs on the model's device, in its activation dtype.
@@ -111,12 +114,21 @@ impl LoraAdapter {
         self.layers.iter().filter(|l| l[target.index()].is_some()).count()
     }
 
-    /// `scale·B(A·x)` for `target` of `layer`, or None where this adapter does not touch it.
+    fn pair(&self, layer: usize, target: Target) -> Option<&Pair> {
+        self.layers.get(layer).and_then(|l| l[target.index()].as_ref())
+    }
+
+    /// `scale·B(A·x)` for `target` of `layer` on the device, or None where this adapter does
+    /// not touch it.
     fn delta(&self, layer: usize, target: Target, x: &Tensor) -> Result<Option<Tensor>> {
-        let Some(pair) = self.layers.get(layer).and_then(|l| l[target.index()].as_ref()) else { return Ok(None) };
-        let x = x.to_dtype(pair.a_t.dtype())?;
-        let d = x.matmul(&pair.a_t)?.matmul(&pair.b_t)?;
-        (d * self.scale).map(Some)
+        match self.pair(layer, target) {
+            None => Ok(None),
+            Some(Pair::Device { a_t, b_t }) => {
+                let d = x.to_dtype(a_t.dtype())?.matmul(a_t)?.matmul(b_t)?;
+                (d * self.scale).map(Some)
+            }
+            Some(Pair::Host { .. }) => candle_core::bail!("lora: a host pair on a device forward"),
+        }
     }
 }
 
@@ -152,6 +164,14 @@ pub fn apply(rows: &BatchRows, layer: usize, target: Target, x: &Tensor, y: Tens
     if rows.lora.iter().all(Option::is_none) {
         return Ok(y);
     }
+    match x.device().is_cpu() {
+        true => host::apply(rows, layer, target, x, y),
+        false => apply_device(rows, layer, target, x, y),
+    }
+}
+
+/// [`apply`] with candle's products, per sequence (GPUs: bf16 activations and pairs).
+fn apply_device(rows: &BatchRows, layer: usize, target: Target, x: &Tensor, y: Tensor) -> Result<Tensor> {
     let mut parts = Vec::with_capacity(rows.spans.len());
     for (span, lora) in rows.spans.iter().zip(&rows.lora) {
         let part = y.narrow(0, span.row, span.len)?;
@@ -161,4 +181,52 @@ pub fn apply(rows: &BatchRows, layer: usize, target: Target, x: &Tensor, y: Tens
         });
     }
     Tensor::cat(&parts, 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layers::Span;
+    use crate::RowKind;
+    use candle_core::Device;
+
+    fn adapter(a: &Tensor, b: &Tensor, host: bool) -> Arc<LoraAdapter> {
+        let pair = match host {
+            true => Pair::Host { a: a.flatten_all().unwrap().to_vec1().unwrap(), b: b.flatten_all().unwrap().to_vec1().unwrap(), rank: a.dim(0).unwrap() },
+            false => Pair::Device { a_t: a.t().unwrap().contiguous().unwrap(), b_t: b.t().unwrap().contiguous().unwrap() },
+        };
+        let mut layer: [Option<Pair>; 7] = Default::default();
+        layer[Target::Up.index()] = Some(pair);
+        let (rank, alpha) = (a.dim(0).unwrap(), 6.0);
+        Arc::new(LoraAdapter { name: "t".into(), path: "t".into(), rank, alpha, scale: alpha / rank as f64, targets: vec![Target::Up], bytes: 0, layers: vec![layer] })
+    }
+
+    /// The CPU's per-row kernel and the device path's candle products (run here on the CPU)
+    /// compute the same deltas, and leave rows without adapters untouched.
+    #[test]
+    fn the_host_kernel_and_the_device_path_agree() {
+        let dev = Device::Cpu;
+        let (inp, out, r) = (96, 160, 8);
+        let a = (Tensor::randn(0f32, 1., (r, inp), &dev).unwrap() / (inp as f64).sqrt()).unwrap();
+        let b = Tensor::randn(0f32, 1., (out, r), &dev).unwrap();
+        let x = Tensor::randn(0f32, 1., (7, inp), &dev).unwrap();
+        let y = Tensor::randn(0f32, 1., (7, out), &dev).unwrap();
+        let span = |row, len| Span { row, len, position: 0, kind: RowKind::Prompt };
+        let rows_with = |host: bool| BatchRows {
+            spans: vec![span(0, 3), span(3, 1), span(4, 3)],
+            decode_rows: 0,
+            lora: vec![Some(Arc::new(LoraStack { adapters: vec![adapter(&a, &b, host)] })), None, Some(Arc::new(LoraStack { adapters: vec![adapter(&a, &b, host)] }))],
+        };
+        let host: Vec<Vec<f32>> = host::apply(&rows_with(true), 0, Target::Up, &x, y.clone()).unwrap().to_vec2().unwrap();
+        let device: Vec<Vec<f32>> = apply_device(&rows_with(false), 0, Target::Up, &x, y.clone()).unwrap().to_vec2().unwrap();
+        let base: Vec<Vec<f32>> = y.to_vec2().unwrap();
+        let d = host.iter().flatten().zip(device.iter().flatten()).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+        assert!(d < 1e-4, "{d}");
+        assert!(host[3] == base[3] && device[3] == base[3], "a row without adapters changed");
+        let moved = host[0].iter().zip(&base[0]).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+        assert!(moved > 1.0, "{moved}");
+        // Other targets are untouched.
+        let other: Vec<Vec<f32>> = host::apply(&rows_with(true), 0, Target::Gate, &x, y.clone()).unwrap().to_vec2().unwrap();
+        assert!(other == base);
+    }
 }

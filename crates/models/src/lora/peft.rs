@@ -137,10 +137,8 @@ pub fn load_peft(name: &str, dir: &Path, base: &LoraBase, device: &Device) -> Re
     let (mut targets, mut bytes) = (BTreeSet::new(), 0);
     for ((layer, target), (a, b)) in pairs {
         let (a, b) = fit(&cfg, base, layer, target, a, b).map_err(|e| format!("adapter {name:?} does not fit this {} model: {e}", base.architecture))?;
-        let dtype = ferrolm_backend::device::activation_dtype(device);
-        let on_device = |t: Tensor| t.t()?.contiguous()?.to_dtype(dtype)?.to_device(device);
-        let pair = Pair { a_t: on_device(a).map_err(|e| e.to_string())?, b_t: on_device(b).map_err(|e| e.to_string())? };
-        bytes += (pair.a_t.elem_count() + pair.b_t.elem_count()) * dtype.size_in_bytes();
+        let pair = place(a, b, cfg.r, device).map_err(|e| e.to_string())?;
+        bytes += pair.bytes();
         layers[layer][target.index()] = Some(pair);
         targets.insert(target);
     }
@@ -154,6 +152,27 @@ pub fn load_peft(name: &str, dir: &Path, base: &LoraBase, device: &Device) -> Re
         bytes,
         layers,
     })
+}
+
+/// A and B (f32) where the forward reads them: host rows on the CPU, transposed tensors in the
+/// activation dtype elsewhere.
+fn place(a: Tensor, b: Tensor, rank: usize, device: &Device) -> candle_core::Result<Pair> {
+    if device.is_cpu() {
+        let rows = |t: Tensor| t.flatten_all()?.to_vec1::<f32>();
+        return Ok(Pair::Host { a: rows(a)?, b: rows(b)?, rank });
+    }
+    let dtype = ferrolm_backend::device::activation_dtype(device);
+    let on_device = |t: Tensor| t.t()?.contiguous()?.to_dtype(dtype)?.to_device(device);
+    Ok(Pair::Device { a_t: on_device(a)?, b_t: on_device(b)? })
+}
+
+impl Pair {
+    fn bytes(&self) -> usize {
+        match self {
+            Pair::Host { a, b, .. } => (a.len() + b.len()) * 4,
+            Pair::Device { a_t, b_t } => (a_t.elem_count() + b_t.elem_count()) * a_t.dtype().size_in_bytes(),
+        }
+    }
 }
 
 type Pairs<'a> = BTreeMap<(usize, Target), (&'a Tensor, &'a Tensor)>;

@@ -34,6 +34,10 @@ pub struct KvQuant {
     /// many bits after a sign flip and rotation ([`turbo`]); keys as the fields above say. Such
     /// a format names a cache (`ferrolm_kv`'s `TurboCache`), never rows handed to attention.
     pub turbo_values: Option<u8>,
+    /// mlx_lm's `quantized_kv_start`: the cache stays float until a step leaves it holding more
+    /// than this many tokens, then all of it is quantized (`ferrolm_kv`'s `DeferredCache`);
+    /// 0 quantizes from the first token. A cache setting; rows never carry it.
+    pub start: usize,
 }
 
 /// Group sizes accepted (powers of two, multiples of the 32-value 4-bit block).
@@ -48,7 +52,7 @@ impl KvQuant {
         if !GROUP_SIZES.contains(&group) {
             return Err(format!("KV group size must be one of {GROUP_SIZES:?}, not {group}"));
         }
-        Ok(Self { bits, group, rotate: true, turbo_values: None })
+        Ok(Self { bits, group, rotate: true, turbo_values: None, start: 0 })
     }
 
     /// TurboQuant as mlx-bun (`--kv-quant turbo[:k<b>v<b>]`, default k8v3): keys affine
@@ -75,6 +79,11 @@ impl KvQuant {
         }
     }
 
+    /// The format quantizing only once the cache holds more than `start` tokens.
+    pub fn starting_at(self, start: usize) -> Self {
+        Self { start, ..self }
+    }
+
     /// The format without (false) or with the Hadamard rotation.
     pub fn with_rotation(self, rotate: bool) -> Self {
         Self { rotate, ..self }
@@ -91,13 +100,14 @@ impl KvQuant {
         }
     }
 
-    /// Names the format in cache signatures: `q8g64`.
-    /// `-norot` marks a format without the rotation.
+    /// Names the format in cache signatures: `q8g64`, `turbo-k8v3`.
+    /// `-norot` marks a format without the rotation, `@N` a `start` of N.
     pub fn name(&self) -> String {
+        let start = if self.start > 0 { format!("@{}", self.start) } else { String::new() };
         if let Some(v) = self.turbo_values {
-            return format!("turbo-k{}v{v}", self.bits);
+            return format!("turbo-k{}v{v}{start}", self.bits);
         }
-        format!("q{}g{}{}", self.bits, self.group, if self.rotate { "" } else { "-norot" })
+        format!("q{}g{}{}{start}", self.bits, self.group, if self.rotate { "" } else { "-norot" })
     }
 
     pub fn code_bytes(&self, d: usize) -> usize {

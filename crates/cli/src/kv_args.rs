@@ -26,6 +26,11 @@ pub struct KvArgs {
     /// `turbo:k<bits>v<bits>` (keys 8 or 4, values 2, 3 or 4). CPU only; not with --kv-bits.
     #[arg(long)]
     kv_quant: Option<String>,
+    /// With --kv-bits or --kv-quant: keep a layer's cache float until a step leaves it holding
+    /// more than N tokens, then quantize all of it (mlx_lm's meaning; its default is 5000).
+    /// 0: quantize from the first token.
+    #[arg(long, default_value_t = 0)]
+    quantized_kv_start: usize,
 }
 
 impl KvArgs {
@@ -35,11 +40,11 @@ impl KvArgs {
             if bits.is_some_and(|b| b != 16) || self.kv_no_rotate {
                 return Err(CliError::usage("--kv-quant takes its own bits: it is not combined with --kv-bits or --kv-no-rotate"));
             }
-            return KvScheme::from_kv_quant(spec).map_err(CliError::usage);
+            return KvScheme::from_kv_quant(spec).map(|s| s.starting_at(self.quantized_kv_start)).map_err(CliError::usage);
         }
         let scheme = KvScheme::from_flags(bits, self.kv_group_size).map_err(CliError::usage)?;
         Ok(match scheme {
-            KvScheme::Quant(q) => KvScheme::Quant(q.with_rotation(!self.kv_no_rotate)),
+            KvScheme::Quant(q) => KvScheme::Quant(q.with_rotation(!self.kv_no_rotate).starting_at(self.quantized_kv_start)),
             float => float,
         })
     }
@@ -51,8 +56,13 @@ impl KvArgs {
 }
 
 /// `f16` (or `f32`) or `q<bits>g<group>` (`q8g32`, `q4g64`), `-norot` appended for a format
-/// without the rotation, or TurboQuant: `turbo`, `turbo-k8v3`.
+/// without the rotation, or TurboQuant: `turbo`, `turbo-k8v3`; `@N` appended: quantized only
+/// once a cache holds more than N tokens (`q8g32@5000`).
 pub fn parse_scheme(s: &str) -> Result<KvScheme, String> {
+    if let Some((scheme, start)) = s.split_once('@') {
+        let start = start.parse::<usize>().map_err(|_| format!("KV scheme `{s}`: `@` takes a token count"))?;
+        return parse_scheme(scheme).map(|k| k.starting_at(start));
+    }
     if s == "f16" || s == "f32" {
         return Ok(KvScheme::Float);
     }
@@ -85,11 +95,11 @@ mod tests {
 
     #[test]
     fn scheme_names_round_trip() {
-        for name in ["f16", "q8g32", "q8g64", "q4g32", "q4g128", "q8g32-norot", "turbo-k8v3", "turbo-k4v2"] {
+        for name in ["f16", "q8g32", "q8g64", "q4g32", "q4g128", "q8g32-norot", "turbo-k8v3", "turbo-k4v2", "q8g32@5000", "turbo-k8v3@64"] {
             let back = scheme_name(&parse_scheme(name).unwrap());
             assert!(back == name || (name == "f16" && back == "f32"), "{name}: {back}");
         }
-        for bad in ["q8", "q3g32", "q8g48", "int8", "q8gx"] {
+        for bad in ["q8", "q3g32", "q8g48", "int8", "q8gx", "q8g32@", "q8g32@x"] {
             assert!(parse_scheme(bad).is_err(), "{bad}");
         }
     }

@@ -7,6 +7,7 @@ use crate::{KvCache, KvView, PlainCache};
 use candle_core::{DType, Device, Result, Tensor};
 use ferrolm_backend::kv_quant::{self, KvQuant};
 
+mod deferred;
 mod turbo;
 pub use turbo::TurboCache;
 
@@ -42,8 +43,7 @@ impl KvScheme {
     pub fn full_layer(&self, kv_heads: usize, head_dim: usize, dtype: DType, device: &Device) -> Box<dyn KvCache> {
         match self {
             Self::Float => Box::new(PlainCache::new(kv_heads, head_dim, dtype, device)),
-            Self::Quant(q) if q.turbo_values.is_some() => Box::new(TurboCache::new(kv_heads, head_dim, *q, device)),
-            Self::Quant(q) => Box::new(QuantCache::new(kv_heads, head_dim, *q, device)),
+            Self::Quant(q) => deferred::layer(*q, kv_heads, head_dim, dtype, device),
         }
     }
 

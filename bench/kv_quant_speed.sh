@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Decode and prefill tok/s with f16, 8-bit and 4-bit KV (docs/kv_quant.md): `ferrolm bench` at
-# 512 and 4096 prompt tokens, one line of JSON per run into $OUT (default
-# bench/results/kv_quant_speed.jsonl). Schemes alternate inside each (model, context) so that a
-# busy machine's load spreads over all of them.
+# Decode and prefill tok/s with f16, 8-bit, 4-bit and TurboQuant KV (docs/kv_quant.md):
+# `ferrolm bench` at $CTXS prompt tokens (default 512 4096 16384), one line of JSON per run into
+# $OUT (default bench/results/kv_quant_speed.jsonl). Schemes alternate inside each (model,
+# context) so that a busy machine's load spreads over all of them; $ROUNDS rounds (default 2).
 #   FERROLM_BIN=/path/to/ferrolm bench/kv_quant_speed.sh [model.gguf ...]
 set -euo pipefail
 BIN=${FERROLM_BIN:-target/release/ferrolm}
@@ -11,10 +11,11 @@ MODELS=("$@")
 [ ${#MODELS[@]} -eq 0 ] && MODELS=(~/.cache/ferrolm/models/SmolLM2-135M-Instruct.Q4_1.gguf ~/.cache/ferrolm/models/qwen2.5-coder-0.5b-instruct-Q4_K_M.gguf)
 : > "$OUT"
 for m in "${MODELS[@]}"; do
-  for ctx in 512 4096; do
-    for round in 1 2; do
-      for bits in 16 8 4; do
-        "$BIN" bench --model "$m" --device cpu --prompt-tokens $ctx --decode-tokens 32 --runs 1 --kv-bits $bits --json \
+  for ctx in ${CTXS:-512 4096 16384}; do
+    for round in $(seq 1 "${ROUNDS:-2}"); do
+      for kv in "--kv-bits 16" "--kv-bits 8" "--kv-bits 4" "--kv-quant turbo"; do
+        # shellcheck disable=SC2086  # $kv is two words on purpose
+        "$BIN" bench --model "$m" --device cpu --prompt-tokens $ctx --decode-tokens 32 --runs 1 $kv --json \
           | python3 -c "import json,sys; d=json.load(sys.stdin); d.pop('decoded_ids',None); d['round']=$round; print(json.dumps(d))" >> "$OUT"
       done
     done

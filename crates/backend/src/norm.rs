@@ -31,6 +31,20 @@ impl RmsNorm {
         candle_nn::ops::rms_norm(&x, &self.weight, self.eps)
     }
 
+    /// The residual sum `x + r` and its norm: one kernel for both on CUDA (the sum rounded to x's
+    /// dtype as the separate add rounds it), the add then [`RmsNorm::forward`] elsewhere.
+    pub fn forward_add(&self, x: &Tensor, r: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
+        if !matches!(x.device(), Device::Cpu) && x.dims() == r.dims() {
+            if let Some(pair) = crate::cuda::ops::add_rms_norm(&x.contiguous()?, &r.contiguous()?, &self.weight, self.eps)? {
+                return Ok(pair);
+            }
+        }
+        let sum = (x + r)?;
+        let normed = self.forward(&sum)?;
+        Ok((sum, normed))
+    }
+
     /// Non-CPU devices: activations may be bf16 while the weight stays f32.
     fn forward_device(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let x = x.contiguous()?;

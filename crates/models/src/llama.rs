@@ -403,15 +403,19 @@ impl CausalLm for Llama {
     fn forward_hidden(&self, batch: &mut [SeqInput<'_>]) -> Result<Tensor> {
         let rows = layers::BatchRows::of(batch)?;
         let mut x = self.embed.forward(&layers::BatchRows::ids(batch), &self.device)?;
+        // Each residual add goes with the norm after it (one kernel for both on CUDA).
+        let Some(first) = self.layers.first() else { return rows.decode_part(&x, |h| self.norm.forward(h)) };
+        let mut normed = first.attn_norm.forward(&x)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let mut caches: Vec<&mut dyn KvCache> =
                 batch.iter_mut().map(|s| s.cache.layer(i)).collect();
-            let h = layer
-                .attn
-                .forward_adapted(&layer.attn_norm.forward(&x)?, &rows, &mut caches, Some(i))?;
-            x = (x + h)?;
-            let h = layer.mlp.forward(&layer.ffn_norm.forward(&x)?, &rows, i)?;
-            x = (x + h)?;
+            let h = layer.attn.forward_adapted(&normed, &rows, &mut caches, Some(i))?;
+            let (sum, ffn_in) = layer.ffn_norm.forward_add(&x, &h)?;
+            let h = layer.mlp.forward(&ffn_in, &rows, i)?;
+            match self.layers.get(i + 1) {
+                Some(next) => (x, normed) = next.attn_norm.forward_add(&sum, &h)?,
+                None => x = (sum + h)?,
+            }
         }
         rows.decode_part(&x, |h| self.norm.forward(h))
     }

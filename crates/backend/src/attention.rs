@@ -55,7 +55,7 @@ pub fn attend_prompt_quant(q: &Tensor, k: &Tensor, v: &Tensor, quant: Option<KvQ
 }
 
 /// `attend` (`prompt` false) or `attend_prompt` (true) over a paged cache: k and v are a
-/// layer's pools `[blocks, B, Hkv, D]` (f16 or f32) and `table` lists the sequence's blocks.
+/// layer's pools `[blocks, Hkv, B, D]` (f16 or f32) and `table` lists the sequence's blocks.
 /// The CPU kernels read the rows through the table; the arithmetic, and so every bit of the
 /// result, is that of the same keys and values held contiguously. CPU only.
 pub fn attend_paged(q: &Tensor, k: &Tensor, v: &Tensor, table: &BlockTable, pos: Positions, p: &AttentionParams, prompt: bool) -> candle_core::Result<Tensor> {
@@ -180,7 +180,7 @@ pub fn attend_decode_batch(queries: &[DecodeQuery<'_>], p: &AttentionParams) -> 
     decode_batch(queries, &vec![None; queries.len()], p)
 }
 
-/// `attend_decode_batch` over paged caches: query i's k and v are pools `[blocks, B, Hkv, D]`
+/// `attend_decode_batch` over paged caches: query i's k and v are pools `[blocks, Hkv, B, D]`
 /// read through `tables[i]` (see [`attend_paged`]); the same bits as over contiguous caches.
 pub fn attend_decode_batch_paged(queries: &[DecodeQuery<'_>], tables: &[&BlockTable], p: &AttentionParams) -> candle_core::Result<Tensor> {
     if queries.len() != tables.len() {
@@ -363,7 +363,7 @@ struct AttendCpu<'t> {
     prompt: bool,
     /// Quantized rows (U8 storage), see `kv_quant`.
     quant: Option<KvQuant>,
-    /// Paged keys and values: k and v are pools `[blocks, B, Hkv, D]` read through this table.
+    /// Paged keys and values: k and v are pools `[blocks, Hkv, B, D]` read through this table.
     table: Option<&'t BlockTable>,
 }
 

@@ -1,5 +1,6 @@
 //! Block tables of a paged KV cache (`ferrolm_kv::PagedCache`): a layer's keys (and values) live
-//! in one pool tensor `[blocks, B, Hkv, D]` (token-major blocks) shared by every sequence, and a sequence's tokens are
+//! in one pool tensor `[blocks, Hkv, B, D]` (each head's rows of a block contiguous, as in a
+//! contiguous cache) shared by every sequence, and a sequence's tokens are
 //! the pool blocks its table lists, in order. The CPU attention kernels read rows through the
 //! table (`cpu::attn::Kv`), never through a gathered copy.
 
@@ -22,11 +23,11 @@ impl BlockTable {
         self.block_tokens.trailing_zeros()
     }
 
-    /// Kv heads of a pool laid out `[blocks, B, Hkv, D]`, checking that it fits this table.
+    /// Kv heads of a pool laid out `[blocks, Hkv, B, D]`, checking that it fits this table.
     pub fn kv_heads(&self, pool: &Layout) -> Result<usize> {
         let dims = pool.dims();
-        if dims.len() != 4 || dims[1] != self.block_tokens || !self.block_tokens.is_power_of_two() {
-            candle_core::bail!("paged attention: pool {dims:?} is not [blocks, {}, kv_heads, head_dim]", self.block_tokens)
+        if dims.len() != 4 || dims[2] != self.block_tokens || !self.block_tokens.is_power_of_two() {
+            candle_core::bail!("paged attention: pool {dims:?} is not [blocks, kv_heads, {}, head_dim]", self.block_tokens)
         }
         if pool.stride()[3] != 1 {
             candle_core::bail!("paged attention: the pool's head_dim must be contiguous")
@@ -34,7 +35,7 @@ impl BlockTable {
         if self.tokens > self.blocks.len() * self.block_tokens || self.blocks.iter().any(|&b| b >= dims[0]) {
             candle_core::bail!("paged attention: {} tokens in blocks {:?} of a pool of {}", self.tokens, self.blocks, dims[0])
         }
-        Ok(dims[2])
+        Ok(dims[1])
     }
 
     /// Element offsets of the table's blocks in the pool's storage.
@@ -45,7 +46,7 @@ impl BlockTable {
     /// The table's rows of a pool's storage `data` (laid out as `pool`) through `offsets`.
     pub fn view<'a, E>(&self, data: &'a [E], pool: &Layout, offsets: &'a [usize]) -> Kv<'a, E> {
         let s = pool.stride();
-        Kv { data: &data[pool.start_offset()..], head_stride: s[2], token_stride: s[1], blocks: offsets, block_shift: self.shift() }
+        Kv { data: &data[pool.start_offset()..], head_stride: s[1], token_stride: s[2], blocks: offsets, block_shift: self.shift() }
     }
 
     /// This table limited to its first `tokens` tokens.

@@ -7,19 +7,19 @@ use candle_core::{DType, Device, Tensor};
 use ferrolm_backend::attention::{attend, attend_decode_batch, attend_decode_batch_paged, attend_paged, attend_prompt, AttentionParams, DecodeQuery, Positions};
 use ferrolm_backend::paged::BlockTable;
 
-/// Contiguous k `[hkv, s, d]` and the same rows in a pool `[blocks, bt, hkv, d]` whose other
+/// Contiguous k `[hkv, s, d]` and the same rows in a pool `[blocks, hkv, bt, d]` whose other
 /// blocks hold noise, at the blocks listed by the returned table (in scrambled order).
 fn paged_copy(k: &Tensor, bt: usize) -> (Tensor, BlockTable) {
     let (hkv, s, d) = k.dims3().unwrap();
     let used = s.div_ceil(bt);
     let pool_blocks = 2 * used + 3;
     let blocks: Vec<usize> = (0..used).map(|i| 2 * (used - 1 - i) + 1).collect();
-    let pool = Tensor::randn(0f32, 1.0, (pool_blocks, bt, hkv, d), &Device::Cpu).unwrap().to_dtype(k.dtype()).unwrap();
+    let pool = Tensor::randn(0f32, 1.0, (pool_blocks, hkv, bt, d), &Device::Cpu).unwrap().to_dtype(k.dtype()).unwrap();
     for (i, &b) in blocks.iter().enumerate() {
         let n = (s - i * bt).min(bt);
-        let rows = k.narrow(1, i * bt, n).unwrap().transpose(0, 1).unwrap().unsqueeze(0).unwrap().contiguous().unwrap();
+        let rows = k.narrow(1, i * bt, n).unwrap().unsqueeze(0).unwrap().contiguous().unwrap();
         let mut whole = pool.narrow(0, b, 1).unwrap().contiguous().unwrap();
-        whole = whole.slice_assign(&[0..1, 0..n, 0..hkv, 0..d], &rows).unwrap();
+        whole = whole.slice_assign(&[0..1, 0..hkv, 0..n, 0..d], &rows).unwrap();
         pool.slice_set(&whole, 0, b).unwrap();
     }
     (pool, BlockTable { blocks, block_tokens: bt, tokens: s })
@@ -86,4 +86,41 @@ fn a_bad_table_is_refused() {
     assert!(attend_paged(&q, &pool, &pool, &outside, pos, &p, false).is_err());
     let wrong_block = BlockTable { block_tokens: 32, ..table };
     assert!(attend_paged(&q, &pool, &pool, &wrong_block, pos, &p, false).is_err());
+}
+
+/// Decode attention over 4,096 keys of SmolLM2's shape (9 query heads, 3 kv heads, head size
+/// 64, f16), contiguous and paged with blocks of 16, 32 and 64 tokens scattered over the pool:
+/// the best time per call of several interleaved rounds (docs/paged_kv.md; `#[ignore]`: a
+/// measurement, run with `--ignored --nocapture`).
+#[test]
+#[ignore = "a measurement"]
+fn decode_attention_time_by_block_size() {
+    let (hq, hkv, d) = (9, 3, 64);
+    let p = AttentionParams { scale: 0.125, window: None, softcap: None };
+    for s in [512, 4096] {
+        let (k, v) = (kv(hkv, s, d, DType::F16), kv(hkv, s, d, DType::F16));
+        let q = Tensor::randn(0f32, 1.0, (1, hq, d), &Device::Cpu).unwrap();
+        let pos = Positions { query_start: s - 1, key_start: 0 };
+        let paged: Vec<(usize, (Tensor, BlockTable), (Tensor, BlockTable))> = [16, 32, 64].iter().map(|&bt| (bt, paged_copy(&k, bt), paged_copy(&v, bt))).collect();
+        let mut best = vec![f64::MAX; 1 + paged.len()];
+        let iters = if s > 1000 { 200 } else { 1000 };
+        for _round in 0..5 {
+            let t = std::time::Instant::now();
+            for _ in 0..iters {
+                attend(&q, &k, &v, pos, &p).unwrap();
+            }
+            best[0] = best[0].min(t.elapsed().as_secs_f64() / iters as f64);
+            for (i, (_, (kp, table), (vp, _))) in paged.iter().enumerate() {
+                let t = std::time::Instant::now();
+                for _ in 0..iters {
+                    attend_paged(&q, kp, vp, table, pos, &p, false).unwrap();
+                }
+                best[i + 1] = best[i + 1].min(t.elapsed().as_secs_f64() / iters as f64);
+            }
+        }
+        let names = ["contiguous", "paged16", "paged32", "paged64"];
+        for (name, t) in names.iter().zip(&best) {
+            println!("{{\"figure\":\"attention\",\"keys\":{s},\"layout\":\"{name}\",\"us_per_call\":{:.2}}}", t * 1e6);
+        }
+    }
 }

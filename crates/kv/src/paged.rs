@@ -1,7 +1,9 @@
 //! Paged KV (`--kv-layout paged`): per full-attention layer one pool of fixed-size blocks shared
-//! by every sequence, and per sequence a block table. A block is `[B, kv_heads, head_dim]` rows
-//! (token-major, so writing a token is one contiguous copy); the pool tensor is
-//! `[blocks, B, kv_heads, head_dim]` and attention reads it through the table
+//! by every sequence, and per sequence a block table. A block is `[kv_heads, B, head_dim]`: each
+//! head's rows of a block are contiguous, as in a contiguous cache, so attention streams them
+//! alike (token-major blocks, each head's rows strided, measured 30-45% slower decode attention
+//! than contiguous at 4k keys; head-major ones 0-25%, docs/paged_kv.md).
+//! The pool tensor is `[blocks, kv_heads, B, head_dim]` and attention reads it through the table
 //! (`ferrolm_backend::paged::BlockTable`), never through a gathered copy.
 //!
 //! Blocks are reference counted: a sequence's table holds one reference on each of its blocks,
@@ -28,7 +30,7 @@ pub struct BlockPool {
 }
 
 struct PoolInner {
-    /// `[capacity, B, kv_heads, head_dim]` each.
+    /// `[capacity, kv_heads, B, head_dim]` each.
     k: Option<Tensor>,
     v: Option<Tensor>,
     refs: Vec<u32>,
@@ -88,14 +90,19 @@ impl BlockPool {
         }
     }
 
-    /// Rows `[n, kv_heads, head_dim]` view of the pool: `[capacity·B, kv_heads·head_dim]`.
+    /// The pool as rows `[capacity·kv_heads·B, head_dim]`: row `(block·kv_heads + head)·B + t`.
     fn rows(t: &Tensor) -> Result<Tensor> {
-        let (cap, b, h, d) = t.dims4()?;
-        t.reshape((cap * b, h * d))
+        let (cap, h, b, d) = t.dims4()?;
+        t.reshape((cap * h * b, d))
     }
 
     fn shape(&self, blocks: usize) -> (usize, usize, usize, usize) {
-        (blocks, self.block_tokens, self.kv_heads, self.head_dim)
+        (blocks, self.kv_heads, self.block_tokens, self.head_dim)
+    }
+
+    /// The row of token `t` of `head` in `block`.
+    fn row(&self, block: usize, head: usize, t: usize) -> usize {
+        (block * self.kv_heads + head) * self.block_tokens + t
     }
 }
 
@@ -121,19 +128,27 @@ impl PoolInner {
         Ok(cap)
     }
 
-    /// Writes `k`, `v` rows `[n, kv_heads·head_dim]` at token `at` of `block`.
+    /// Writes `k`, `v` `[kv_heads, n, head_dim]` (contiguous) at token `at` of `block`: one
+    /// contiguous copy per head.
     fn write(&self, pool: &BlockPool, block: usize, at: usize, k: &Tensor, v: &Tensor) -> Result<()> {
-        let row = block * pool.block_tokens + at;
-        BlockPool::rows(self.k.as_ref().expect("allocated"))?.slice_set(k, 0, row)?;
-        BlockPool::rows(self.v.as_ref().expect("allocated"))?.slice_set(v, 0, row)
+        let (pk, pv) = (BlockPool::rows(self.k.as_ref().expect("allocated"))?, BlockPool::rows(self.v.as_ref().expect("allocated"))?);
+        for h in 0..pool.kv_heads {
+            let row = pool.row(block, h, at);
+            pk.slice_set(&k.get(h)?, 0, row)?;
+            pv.slice_set(&v.get(h)?, 0, row)?;
+        }
+        Ok(())
     }
 
-    /// The first `n` tokens of block `from` copied into the fresh block `to`.
+    /// The first `n` tokens of every head of block `from` copied into the fresh block `to`.
     fn copy_rows(&self, pool: &BlockPool, from: usize, to: usize, n: usize) -> Result<()> {
         let (k, v) = (BlockPool::rows(self.k.as_ref().expect("allocated"))?, BlockPool::rows(self.v.as_ref().expect("allocated"))?);
-        let bt = pool.block_tokens;
-        k.slice_set(&k.narrow(0, from * bt, n)?.copy()?, 0, to * bt)?;
-        v.slice_set(&v.narrow(0, from * bt, n)?.copy()?, 0, to * bt)
+        for h in 0..pool.kv_heads {
+            let (src, dst) = (pool.row(from, h, 0), pool.row(to, h, 0));
+            k.slice_set(&k.narrow(0, src, n)?.copy()?, 0, dst)?;
+            v.slice_set(&v.narrow(0, src, n)?.copy()?, 0, dst)?;
+        }
+        Ok(())
     }
 }
 
@@ -200,10 +215,10 @@ impl PagedCache {
         }
         let g = self.pool.lock();
         let bt = self.pool.block_tokens;
-        let ids: Vec<u32> = (0..n).map(|t| (self.blocks[t / bt] * bt + t % bt) as u32).collect();
-        let ids = Tensor::from_vec(ids, n, &self.pool.device)?;
         let (h, d) = (self.pool.kv_heads, self.pool.head_dim);
-        let take = |t: &Tensor| -> Result<Tensor> { BlockPool::rows(t)?.index_select(&ids, 0)?.reshape((n, h, d))?.transpose(0, 1)?.contiguous() };
+        let ids: Vec<u32> = (0..h).flat_map(|head| (0..n).map(move |t| (head, t))).map(|(head, t)| self.pool.row(self.blocks[t / bt], head, t % bt) as u32).collect();
+        let ids = Tensor::from_vec(ids, h * n, &self.pool.device)?;
+        let take = |t: &Tensor| -> Result<Tensor> { BlockPool::rows(t)?.index_select(&ids, 0)?.reshape((h, n, d)) };
         let (k, v) = (take(g.k.as_ref().expect("allocated"))?, take(g.v.as_ref().expect("allocated"))?);
         Ok(Some(KvView { k, v, key_start: 0, quant: None, table: None }))
     }
@@ -229,15 +244,15 @@ impl KvCache for PagedCache {
         if (h, d) != (pool.kv_heads, pool.head_dim) || v.dims3()? != (h, n, d) {
             candle_core::bail!("kv:paged: rows {:?} into a pool of {} heads × {}", k.dims(), pool.kv_heads, pool.head_dim)
         }
-        let token_rows = |t: &Tensor| -> Result<Tensor> { t.to_dtype(pool.dtype)?.transpose(0, 1)?.contiguous()?.reshape((n, h * d)) };
-        let (k, v) = (token_rows(k)?, token_rows(v)?);
+        let head_rows = |t: &Tensor| -> Result<Tensor> { t.to_dtype(pool.dtype)?.contiguous() };
+        let (k, v) = (head_rows(k)?, head_rows(v)?);
         let mut g = pool.lock();
         let mut done = 0;
         while done < n {
             let block = self.writable_block(&mut g)?;
             let within = self.offset % pool.block_tokens;
             let m = (pool.block_tokens - within).min(n - done);
-            g.write(&pool, block, within, &k.narrow(0, done, m)?, &v.narrow(0, done, m)?)?;
+            g.write(&pool, block, within, &k.narrow(1, done, m)?.contiguous()?, &v.narrow(1, done, m)?.contiguous()?)?;
             self.offset += m;
             done += m;
         }

@@ -25,6 +25,11 @@ pub enum ConstraintSpec {
     Choice(Vec<String>),
     /// Tool calls in the model's own format, arguments valid under the tools' schemas.
     ToolCalls(ToolCallSpec),
+    /// Free reasoning text up to and including `end` (the model's reasoning end tag, e.g.
+    /// `</think>`), optional blank space, then `answer` (not itself `AfterReasoning`): for a
+    /// prompt that already opened the model's reasoning (Qwen3 and DeepSeek-R1-style templates),
+    /// so the model thinks freely and the constraint binds its answer only.
+    AfterReasoning { end: String, answer: Box<ConstraintSpec> },
 }
 
 impl ConstraintSpec {
@@ -77,6 +82,7 @@ impl ConstraintSpec {
             ConstraintSpec::Lark(_) => "grammar",
             ConstraintSpec::Choice(_) => "choice",
             ConstraintSpec::ToolCalls(_) => "tools",
+            ConstraintSpec::AfterReasoning { answer, .. } => answer.field(),
         }
     }
 
@@ -96,9 +102,36 @@ impl ConstraintSpec {
                 TopLevelGrammar::from_lark(src.clone())
             }
             ConstraintSpec::Choice(options) => TopLevelGrammar::from_lark(choice_lark(options)?),
-            ConstraintSpec::ToolCalls(spec) => TopLevelGrammar::from_lark(spec.to_lark(tokenizer)?),
+            ConstraintSpec::ToolCalls(spec) => TopLevelGrammar::from_lark(spec.to_lark(tokenizer, "start")?),
+            ConstraintSpec::AfterReasoning { end, answer } => {
+                TopLevelGrammar::from_lark(after_reasoning_lark(end, answer, tokenizer)?)
+            }
         })
     }
+}
+
+/// `start`: any text ending in `end`, optional blank space, then the answer's grammar as rule
+/// `answer`. The reasoning is one lazy lexeme (it ends at the first `end`), so nothing in it is
+/// constrained and nothing forced.
+fn after_reasoning_lark(end: &str, answer: &ConstraintSpec, tokenizer: &ferrolm_text::Tokenizer) -> Result<String, GrammarError> {
+    let field = answer.field();
+    let refuse = |what: &str| {
+        GrammarError::invalid(field, format!("{what} cannot follow the model's opened reasoning yet: turn thinking off (chat_template_kwargs: {{\"enable_thinking\": false}})"))
+    };
+    if end.is_empty() || tokenizer.token_to_id(end).is_some_and(|id| tokenizer.is_special(id)) {
+        return Err(refuse("structured output"));
+    }
+    let body = match answer {
+        ConstraintSpec::JsonObject => format!("answer: %json {}", with_json_layout(json!({"type": "object"}))),
+        ConstraintSpec::JsonSchema(schema) => format!("answer: %json {}", prepare_schema(schema, field)?),
+        ConstraintSpec::Choice(options) => choice_rule("answer", options)?,
+        ConstraintSpec::ToolCalls(spec) => spec.to_lark(tokenizer, "answer")?,
+        ConstraintSpec::Regex(_) => return Err(refuse("a regex")),
+        ConstraintSpec::Lark(_) => return Err(refuse("a grammar")),
+        ConstraintSpec::AfterReasoning { .. } => return Err(refuse("a nested reasoning constraint")),
+    };
+    let end = lark_literal(end);
+    Ok(format!("start: reasoning answer | reasoning BLANK answer\nreasoning[suffix={end}]: /(.|\\n)*/\nBLANK: /[ \\t\\n]+/\n{body}\n"))
 }
 
 /// Whitespace a JSON value may hold between tokens: at most a few spaces or tabs, or one
@@ -139,11 +172,16 @@ fn unanchored(rx: &str) -> &str {
 }
 
 fn choice_lark(options: &[String]) -> Result<String, GrammarError> {
+    choice_rule("start", options)
+}
+
+/// Rule `name`: exactly one of `options`.
+fn choice_rule(name: &str, options: &[String]) -> Result<String, GrammarError> {
     if options.is_empty() {
         return Err(GrammarError::invalid("choice", "needs at least one option"));
     }
     let alts: Vec<String> = options.iter().map(|o| lark_literal(o)).collect();
-    Ok(format!("start: {}\n", alts.join(" | ")))
+    Ok(format!("{name}: {}\n", alts.join(" | ")))
 }
 
 /// A Lark string literal for `text` (llguidance reads literals as JSON strings).

@@ -64,8 +64,9 @@ impl PartialEq for ToolCallSpec {
 }
 
 impl ToolCallSpec {
-    /// The Lark grammar of the whole output.
-    pub(crate) fn to_lark(&self, tokenizer: &Tokenizer) -> Result<String, GrammarError> {
+    /// The Lark grammar of the whole output, its top rule named `rule` (`start`, or another name
+    /// where the calls follow something else).
+    pub(crate) fn to_lark(&self, tokenizer: &Tokenizer, rule: &str) -> Result<String, GrammarError> {
         let chosen = self.chosen()?;
         let key = match self.format {
             ToolCallFormat::Hermes => "arguments",
@@ -81,12 +82,12 @@ impl ToolCallSpec {
             bodies.push(format!("fn_{i}"));
         }
         let top = match self.format {
-            ToolCallFormat::Json => "start: body".to_string(),
+            ToolCallFormat::Json => format!("{rule}: body"),
             ToolCallFormat::Hermes => {
                 let open = scaffold(tokenizer, "<tool_call>");
                 let close = scaffold(tokenizer, "</tool_call>");
                 let repeat = if self.parallel && self.choice == ToolChoice::Required { " (\"\\n\" call)*" } else { "" };
-                format!("start: call{repeat}\ncall: {open} \"\\n\" body \"\\n\" {close}")
+                format!("{rule}: call{repeat}\ncall: {open} \"\\n\" body \"\\n\" {close}")
             }
         };
         Ok(format!("{top}\nbody: {}\n{}\n", bodies.join(" | "), rules.join("\n")))

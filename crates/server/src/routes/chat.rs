@@ -11,6 +11,7 @@ use crate::http::log::RequestLog;
 use crate::errors::ApiError;
 use crate::protocol::chat::{parse_chat, ChatRequest, ForcedCall};
 use crate::structured::{self, Requested};
+use ferrolm_grammar::ConstraintSpec;
 use crate::protocol::fields;
 use crate::protocol::logprobs;
 use crate::protocol::request::{parse_body_async, parse_common, CommonParams};
@@ -51,12 +52,18 @@ pub(crate) async fn prepare_parsed(
     // A prefilled answer goes on from its last character: no space is trimmed.
     let trim_leading_space = chat.prefill.is_none();
     let cap = chat.cap_max_tokens;
-    let requested = constraint_of(state, &common, &chat)?;
+    let mut requested = constraint_of(state, &common, &chat)?;
     let prompt = prompt::chat(state, chat).await?;
-    if requested.is_some() && prompt.opens_reasoning {
-        let msg = "structured output cannot follow a prompt that opens the model's reasoning: turn thinking off \
-                   (chat_template_kwargs: {\"enable_thinking\": false})";
-        return Err(ApiError::invalid(msg, requested.as_ref().map(|r| r.field)));
+    if let Some(r) = requested.as_mut().filter(|_| prompt.opens_reasoning) {
+        // The prompt opened the model's reasoning: it thinks freely up to its end tag, and the
+        // constraint binds the answer after it.
+        let Some((_, end)) = &state.think_tags else {
+            let msg = "structured output cannot follow a prompt that opens the model's reasoning: turn thinking off \
+                       (chat_template_kwargs: {\"enable_thinking\": false})";
+            return Err(ApiError::invalid(msg, Some(r.field)));
+        };
+        let answer = Box::new(std::mem::replace(&mut r.spec, ConstraintSpec::JsonObject));
+        r.spec = ConstraintSpec::AfterReasoning { end: end.clone(), answer };
     }
     let constraint = match requested {
         Some(r) => Some(structured::compile(state, r).await?),

@@ -277,3 +277,32 @@ fn eviction_never_touches_a_running_sequence() {
     run(&mut batch);
     assert!(batch.prompt_cache_stats().unwrap().bytes <= 1 << 20, "{:?}", batch.prompt_cache_stats());
 }
+
+/// Prompt-lookup speculation (multi-row verify steps, rejected drafts trimmed from the blocks)
+/// and `n` choices (forked by sharing the leader's blocks, the partial one copied on write) on
+/// paged caches: every output equals its solo contiguous run.
+#[test]
+fn speculation_and_choices_on_paged_caches_equal_solo_runs() {
+    let _one = MODE.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(model) = open_model(SMOL) else { return };
+    let model = model.as_ref();
+    // A prompt that repeats itself, so that lookup drafts are found and partly accepted.
+    let base = other_prompt(2);
+    let prompt: Vec<u32> = base.iter().chain(&base).chain(&base[..base.len() / 2]).copied().collect();
+    let mut batch = paged_batch(model, 1 << 30, 16);
+    batch.set_speculation(Some(ferrolm_engine::SpecConfig { max_drafts: 4, ngram_min: 1, ngram_max: 3 }));
+    let spec = Rc::new(RefCell::new(Out::default()));
+    batch.add(request(model, &prompt, 24, &spec), model.make_cache());
+    run(&mut batch);
+    assert!(spec.borrow().trace == solo(model, &prompt, 24), "speculation on paged caches differs from the solo run");
+    let stats = spec.borrow().stats.clone().unwrap();
+    assert!(stats.drafted_tokens > stats.accepted_tokens && stats.accepted_tokens > 0, "drafts both kept and rejected: {stats:?}");
+    let mut batch = paged_batch(model, 0, 16);
+    let choices: Vec<_> = (0..2).map(|_| Rc::new(RefCell::new(Out::default()))).collect();
+    batch.add_group(choices.iter().map(|o| request(model, &base, 12, o)).collect(), model.make_cache());
+    run(&mut batch);
+    let want = solo(model, &base, 12);
+    for (i, o) in choices.iter().enumerate() {
+        assert!(o.borrow().trace == want, "choice {i} differs from the solo run");
+    }
+}

@@ -79,7 +79,7 @@ def main():
     ap.add_argument("--text", required=True)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=81)
-    ap.add_argument("--kv", default="f32,q8g32,q8g64,q4g32,q4g64")
+    ap.add_argument("--kv", default="f32,q8g32,q8g64,q4g32,q4g64,turbo-k8v3")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--norot", action="store_true", help="also llama.cpp without its rotation")
     ap.add_argument("--out", required=True)

@@ -79,9 +79,9 @@ def test_unknown_flag_is_an_error():
 
 
 def test_unsupported_mlx_flags_are_refused_not_ignored():
-    r = run_cli("serve", "--port", "0", "--quantized-kv-start", "100")
+    r = run_cli("serve", "--port", "0", "--prompt-concurrency", "2")
     assert r.returncode == 2
-    assert "--quantized-kv-start is not supported" in r.stderr
+    assert "--prompt-concurrency is not supported" in r.stderr
 
 
 def test_mlx_lm_flags_are_accepted():

@@ -104,7 +104,7 @@ def test_prompt_cache_bytes(started):
 
 @pytest.mark.parametrize("flag,value", [("--prompt-concurrency", "2"),
                                         ("--prompt-cache-size", "4"),
-                                        ("--quantized-kv-start", "0"), ("--pipeline", None),
+                                        ("--pipeline", None),
                                         ("--adapter-path", "x")])
 def test_mlx_knobs_away_from_their_defaults_are_refused(flag, value):
     r = run_cli("serve", "--port", "0", flag, *([value] if value else []))
@@ -126,3 +126,17 @@ def test_serve_says_what_it_serves_and_how_to_call_it(started):
     assert out.returncode == 0 and '"object":"chat.completion"' in out.stdout
     # Not a terminal: the load's progress is plain lines on stderr.
     assert any(line.startswith("loading SmolLM2-135M-Instruct.Q4_1.gguf: done in") for line in s.stderr)
+
+
+def test_turboquant_and_quantized_kv_start_are_honoured(started):
+    """--kv-quant turbo and --quantized-kv-start N serve requests; --kv-quant with --kv-bits, or
+    with bits it does not have, is refused."""
+    for flags in (("--kv-quant", "turbo"), ("--kv-bits", "8", "--quantized-kv-start", "16")):
+        s = started(*flags)
+        r = chat(s)
+        assert r.status_code == 200, (flags, r.text)
+        assert r.json()["usage"]["completion_tokens"] >= 1
+    r = run_cli("serve", "--port", "0", "--model", str(SMOLLM2), "--kv-quant", "turbo", "--kv-bits", "8")
+    assert r.returncode == 2 and "--kv-quant" in r.stderr
+    r = run_cli("serve", "--port", "0", "--model", str(SMOLLM2), "--kv-quant", "turbo:k9v9")
+    assert r.returncode == 2 and "--kv-quant" in r.stderr and "bits" in r.stderr

@@ -189,9 +189,16 @@ pub struct Args {
     /// 32, measured better than mlx's 64 at 6% more bytes (docs/kv_quant.md)].
     #[arg(long)]
     kv_group_size: Option<usize>,
-    /// Only mlx_lm.server's default (5000): ferrolm quantizes the KV cache from the first token.
+    /// With --kv-bits or --kv-quant: keep a layer's cache float until a step leaves it holding
+    /// more than N tokens, then quantize all of it (mlx_lm's meaning) [default: 0, quantized
+    /// from the first token; mlx_lm's default is 5000].
     #[arg(long)]
     quantized_kv_start: Option<usize>,
+    /// TurboQuant KV (mlx-bun's scheme, docs/kv_quant.md): `turbo` (keys 8-bit, values 3-bit
+    /// Lloyd–Max codes after a sign flip and Walsh–Hadamard rotation) or `turbo:k<bits>v<bits>`.
+    /// CPU only; not with --kv-bits. Saves memory, not decode time (rows are decoded per step).
+    #[arg(long)]
+    kv_quant: Option<String>,
     /// Not supported yet (refused): pipeline parallelism over several machines.
     #[arg(long)]
     pipeline: bool,
@@ -290,7 +297,6 @@ impl Args {
         let changed = |v: Option<usize>, default: usize| v.is_some_and(|v| v != default);
         let refused = [
             ("--adapter-path", self.adapter_path.is_some(), "one adapter for every request; mount adapters with --adapter NAME=DIR and name them per request"),
-            ("--quantized-kv-start", changed(self.quantized_kv_start, 5000), "a float KV cache before N tokens"),
             ("--prompt-concurrency", changed(self.prompt_concurrency, 8), "a cap on prompts prefilled together; prompts share each step's --max-batch-tokens"),
             ("--prompt-cache-size", changed(self.prompt_cache_size, 10), "a cap on prompt cache entries; use --prompt-cache-bytes"),
             ("--pipeline", self.pipeline, "pipeline parallelism"),
@@ -483,11 +489,21 @@ fn load(args: &Args) -> CliResult<bundle::Bundle> {
 }
 
 impl Args {
-    /// `--kv-bits` / `--kv-group-size` (none, 16: the float cache).
+    /// `--kv-bits` / `--kv-group-size` or `--kv-quant`, from `--quantized-kv-start` on (none,
+    /// 16: the float cache).
     fn kv_scheme(&self) -> CliResult<ferrolm_kv::KvScheme> {
         let bits = self.kv_bits.map(|b| u8::try_from(b).map_err(|_| CliError::usage(format!("--kv-bits {b}: expected 8 or 4")))).transpose()?;
+        let start = self.quantized_kv_start.unwrap_or(0);
+        if let Some(spec) = &self.kv_quant {
+            if bits.is_some_and(|b| b != 16) {
+                return Err(CliError::usage("--kv-quant takes its own bits: it is not combined with --kv-bits"));
+            }
+            let scheme = ferrolm_kv::KvScheme::from_kv_quant(spec).map_err(|e| CliError::usage(format!("--kv-quant: {e}")))?;
+            return Ok(scheme.starting_at(start));
+        }
         let group = self.kv_group_size.unwrap_or(crate::kv_args::DEFAULT_GROUP);
-        ferrolm_kv::KvScheme::from_flags(bits, group).map_err(|e| CliError::usage(format!("--kv-bits/--kv-group-size: {e}")))
+        let scheme = ferrolm_kv::KvScheme::from_flags(bits, group).map_err(|e| CliError::usage(format!("--kv-bits/--kv-group-size: {e}")))?;
+        Ok(scheme.starting_at(start))
     }
 }
 

@@ -385,5 +385,8 @@ mod speed {
         rate::<formats::Q8_0>("Q8_0", 3072, 576);
         rate::<formats::Q4K>("Q4_K", 1792, 1024);
         rate::<formats::Q5_0>("Q5_0", 4864, 896);
+        // The default 1.5B model's Q6_K output head (151,936 x 1,536) and a Q4_K product of its width.
+        rate::<formats::Q6K>("Q6_K", 151936, 1536);
+        rate::<formats::Q4K>("Q4_K", 8960, 1536);
     }
 }

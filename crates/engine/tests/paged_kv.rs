@@ -6,13 +6,12 @@
 
 mod common;
 
+use common::record::*;
 use common::*;
-use ferrolm_core::{CancelToken, GenerateParams, GenerationStats, SamplingParams, TokenEvent};
 use ferrolm_engine::config::KvLayout;
-use ferrolm_engine::{generate, Batch, BatchConfig, Flow, GenerateInput, SeqRequest, Sink};
+use ferrolm_engine::{Batch, BatchConfig};
 use ferrolm_kv::{PagedPools, SeqCache};
 use ferrolm_models::{CausalLm, SeqInput};
-use ferrolm_sample::{Sampler, SamplerConfig};
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Mutex;
@@ -23,69 +22,11 @@ static MODE: Mutex<()> = Mutex::new(());
 const SMOL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const SMOL_FIXTURE: &str = "SmolLM2-135M-Instruct.Q4_1.json";
 
-type Trace = Vec<(u32, u32)>;
-
-#[derive(Default)]
-struct Out {
-    trace: Trace,
-    stats: Option<GenerationStats>,
-}
-
-struct Rec(Rc<RefCell<Out>>);
-
-impl Sink for Rec {
-    fn token(&mut self, e: TokenEvent) -> Flow {
-        self.0.borrow_mut().trace.push((e.token, e.logprobs.map_or(0, |l| l.logprob.to_bits())));
-        Flow::Continue
-    }
-
-    fn finish(&mut self, outcome: Result<GenerationStats, String>) {
-        self.0.borrow_mut().stats = Some(outcome.unwrap());
-    }
-}
-
-fn sampling() -> SamplingParams {
-    SamplingParams { logprobs: Some(3), ..Default::default() }
-}
-
-fn request(model: &dyn CausalLm, prompt: &[u32], max_tokens: usize, out: &Rc<RefCell<Out>>) -> SeqRequest<'static> {
-    let cfg = SamplerConfig { vocab_size: model.info().vocab_size, ..Default::default() };
-    SeqRequest {
-        prompt: prompt.to_vec(),
-        params: GenerateParams { max_tokens, sampling: sampling(), ..Default::default() },
-        eos_ids: vec![],
-        cancel: CancelToken::new(),
-        sampler: Box::new(Sampler::new(&sampling(), &cfg).unwrap()),
-        sink: Box::new(Rec(out.clone())),
-        constraint: None,
-    }
-}
-
-/// The request alone through `generate` on a contiguous cache, no prompt cache.
-fn solo(model: &dyn CausalLm, prompt: &[u32], max_tokens: usize) -> Trace {
-    let cfg = SamplerConfig { vocab_size: model.info().vocab_size, ..Default::default() };
-    let params = GenerateParams { max_tokens, sampling: sampling(), ..Default::default() };
-    let input = GenerateInput { prompt, params: &params, eos_ids: &[], cancel: &CancelToken::new(), graph: Default::default() };
-    let mut trace = Trace::new();
-    generate(model, &mut model.make_cache(), input, &mut Sampler::new(&sampling(), &cfg).unwrap(), &mut |e| {
-        trace.push((e.token, e.logprobs.map_or(0, |l| l.logprob.to_bits())));
-        Flow::Continue
-    })
-    .unwrap();
-    trace
-}
-
 fn paged_batch<'a>(model: &'a dyn CausalLm, prompt_cache_bytes: usize, block_tokens: usize) -> Batch<'a> {
     let cfg = BatchConfig { max_batch_tokens: 64, max_seqs: 8, kv_budget_bytes: 1 << 30, prompt_cache_bytes };
     let mut batch = Batch::new(model, cfg, Default::default());
     batch.set_kv_layout(KvLayout::Paged { block_tokens }).unwrap();
     batch
-}
-
-fn run(batch: &mut Batch<'_>) {
-    while !batch.is_idle() {
-        batch.step(&|| false);
-    }
 }
 
 fn longest_prompt() -> Vec<u32> {

@@ -5,70 +5,11 @@
 
 mod common;
 
+use common::record::*;
 use common::*;
-use ferrolm_core::{CancelToken, GenerateParams, GenerationStats, SamplingParams, TokenEvent};
-use ferrolm_engine::{generate, Batch, BatchConfig, Flow, GenerateInput, SeqRequest, Sink};
-use ferrolm_models::CausalLm;
-use ferrolm_sample::{Sampler, SamplerConfig};
+use ferrolm_engine::{Batch, BatchConfig};
 use std::cell::RefCell;
 use std::rc::Rc;
-
-type Trace = Vec<(u32, u32)>;
-
-#[derive(Default)]
-struct Out {
-    trace: Trace,
-    stats: Option<GenerationStats>,
-}
-
-struct Rec(Rc<RefCell<Out>>);
-
-impl Sink for Rec {
-    fn token(&mut self, e: TokenEvent) -> Flow {
-        self.0.borrow_mut().trace.push((e.token, e.logprobs.map_or(0, |l| l.logprob.to_bits())));
-        Flow::Continue
-    }
-
-    fn finish(&mut self, outcome: Result<GenerationStats, String>) {
-        self.0.borrow_mut().stats = Some(outcome.unwrap());
-    }
-}
-
-fn sampling() -> SamplingParams {
-    SamplingParams { logprobs: Some(3), ..Default::default() }
-}
-
-fn request(model: &dyn CausalLm, prompt: &[u32], max_tokens: usize, out: &Rc<RefCell<Out>>) -> SeqRequest<'static> {
-    let cfg = SamplerConfig { vocab_size: model.info().vocab_size, ..Default::default() };
-    SeqRequest {
-        prompt: prompt.to_vec(),
-        params: GenerateParams { max_tokens, sampling: sampling(), ..Default::default() },
-        eos_ids: vec![],
-        cancel: CancelToken::new(),
-        sampler: Box::new(Sampler::new(&sampling(), &cfg).unwrap()),
-        sink: Box::new(Rec(out.clone())),
-        constraint: None,
-    }
-}
-
-fn uncached(model: &dyn CausalLm, prompt: &[u32], max_tokens: usize) -> Trace {
-    let cfg = SamplerConfig { vocab_size: model.info().vocab_size, ..Default::default() };
-    let params = GenerateParams { max_tokens, sampling: sampling(), ..Default::default() };
-    let input = GenerateInput { prompt, params: &params, eos_ids: &[], cancel: &CancelToken::new(), graph: Default::default() };
-    let mut trace = Trace::new();
-    generate(model, &mut model.make_cache(), input, &mut Sampler::new(&sampling(), &cfg).unwrap(), &mut |e| {
-        trace.push((e.token, e.logprobs.map_or(0, |l| l.logprob.to_bits())));
-        Flow::Continue
-    })
-    .unwrap();
-    trace
-}
-
-fn run(batch: &mut Batch<'_>) {
-    while !batch.is_idle() {
-        batch.step(&|| false);
-    }
-}
 
 fn check_second_turn(file: &str, fixture: &str) {
     let Some(model) = open_model(file) else { return };
@@ -88,7 +29,7 @@ fn check_second_turn(file: &str, fixture: &str) {
     run(&mut batch);
     let stats = turn2.borrow().stats.clone().unwrap();
     assert_eq!(stats.cached_tokens, first.len() - 1, "{file}: the first prompt's rows are reused");
-    assert!(turn2.borrow().trace == uncached(model, &second, 10), "{file}: cached turn 2 differs from uncached");
+    assert!(turn2.borrow().trace == solo(model, &second, 10), "{file}: cached turn 2 differs from uncached");
     assert_eq!(batch.prompt_cache_stats().unwrap().hits, 1);
 }
 
@@ -126,7 +67,7 @@ fn batched_requests_sharing_a_cached_prefix_do_not_touch_each_other() {
     run(&mut batch);
     for (i, (p, o)) in prompts.iter().zip(&outs).enumerate() {
         assert_eq!(o.borrow().stats.as_ref().unwrap().cached_tokens, base.len() - 1, "request {i}");
-        assert!(o.borrow().trace == uncached(model, p, 12), "request {i} differs from its uncached run");
+        assert!(o.borrow().trace == solo(model, p, 12), "request {i} differs from its uncached run");
     }
 }
 
@@ -169,7 +110,7 @@ fn prefixes_survive_a_restart_and_bad_files_are_skipped() {
     batch.add(request(model, &second, 10, &out), model.make_cache());
     run(&mut batch);
     assert_eq!(out.borrow().stats.as_ref().unwrap().cached_tokens, first.len() - 1, "served from disk");
-    assert!(out.borrow().trace == uncached(model, &second, 10), "the disk entry continues as uncached");
+    assert!(out.borrow().trace == solo(model, &second, 10), "the disk entry continues as uncached");
     let s = batch.prompt_cache_stats().unwrap();
     assert_eq!(s.disk_hits, 1);
     assert!(!dir.join("garbage.flkv").exists() && !dir.join("truncated.flkv").exists(), "bad files removed");

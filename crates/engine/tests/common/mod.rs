@@ -1,6 +1,8 @@
 //! Shared helpers for the parity tests: fixture loading and model opening.
 #![allow(dead_code)]
 
+pub mod record;
+
 use candle_core::{Device, Tensor};
 use ferrolm_engine::{Sampled, TokenSampler};
 use ferrolm_models::{paths, CausalLm, ModelSource};

@@ -5,77 +5,18 @@
 
 mod common;
 
+use common::record::*;
 use common::*;
-use ferrolm_core::{CancelToken, GenerateParams, GenerationStats, SamplingParams, TokenEvent};
-use ferrolm_engine::{generate, Batch, BatchConfig, Flow, GenerateInput, SeqRequest, Sink};
+use ferrolm_engine::{Batch, BatchConfig};
 use ferrolm_kv::{KvQuant, KvScheme};
 use ferrolm_models::CausalLm;
-use ferrolm_sample::{Sampler, SamplerConfig};
 use std::cell::RefCell;
 use std::rc::Rc;
-
-/// Each token with its logprob's bits.
-type Trace = Vec<(u32, u32)>;
-
-#[derive(Default)]
-struct Out {
-    trace: Trace,
-    stats: Option<GenerationStats>,
-}
-
-struct Rec(Rc<RefCell<Out>>);
-
-impl Sink for Rec {
-    fn token(&mut self, e: TokenEvent) -> Flow {
-        self.0.borrow_mut().trace.push((e.token, e.logprobs.map_or(0, |l| l.logprob.to_bits())));
-        Flow::Continue
-    }
-
-    fn finish(&mut self, outcome: Result<GenerationStats, String>) {
-        self.0.borrow_mut().stats = Some(outcome.unwrap());
-    }
-}
-
-fn sampling() -> SamplingParams {
-    SamplingParams { logprobs: Some(3), ..Default::default() }
-}
 
 fn quantized(file: &str, bits: u8) -> Option<Box<dyn CausalLm>> {
     let mut model = open_model(file)?;
     model.set_kv_scheme(KvScheme::Quant(KvQuant::new(bits, 32).unwrap())).unwrap();
     Some(model)
-}
-
-fn request(model: &dyn CausalLm, prompt: &[u32], max_tokens: usize, out: &Rc<RefCell<Out>>) -> SeqRequest<'static> {
-    let cfg = SamplerConfig { vocab_size: model.info().vocab_size, ..Default::default() };
-    SeqRequest {
-        prompt: prompt.to_vec(),
-        params: GenerateParams { max_tokens, sampling: sampling(), ..Default::default() },
-        eos_ids: vec![],
-        cancel: CancelToken::new(),
-        sampler: Box::new(Sampler::new(&sampling(), &cfg).unwrap()),
-        sink: Box::new(Rec(out.clone())),
-        constraint: None,
-    }
-}
-
-fn solo(model: &dyn CausalLm, prompt: &[u32], max_tokens: usize) -> Trace {
-    let cfg = SamplerConfig { vocab_size: model.info().vocab_size, ..Default::default() };
-    let params = GenerateParams { max_tokens, sampling: sampling(), ..Default::default() };
-    let input = GenerateInput { prompt, params: &params, eos_ids: &[], cancel: &CancelToken::new(), graph: Default::default() };
-    let mut trace = Trace::new();
-    generate(model, &mut model.make_cache(), input, &mut Sampler::new(&sampling(), &cfg).unwrap(), &mut |e| {
-        trace.push((e.token, e.logprobs.map_or(0, |l| l.logprob.to_bits())));
-        Flow::Continue
-    })
-    .unwrap();
-    trace
-}
-
-fn run(batch: &mut Batch<'_>) {
-    while !batch.is_idle() {
-        batch.step(&|| false);
-    }
 }
 
 /// Prompts of the fixture (and halves of them), joining at different steps, chunked by a small

@@ -23,8 +23,10 @@ import crash_harness as ch  # noqa: E402
 
 
 def harness_args(**kw):
-    args = argparse.Namespace(bin=binary(), model=str(SMOLLM2), requests=3, max_tokens=48, every=4,
-                              kill_max=0.3, kill_after_chars=40, truncate=False)
+    # 160 tokens: the answers must still be streaming when the kill comes (with 48, a fast
+    # machine finished all three within kill_max and nothing was left to resume).
+    args = argparse.Namespace(bin=binary(), model=str(SMOLLM2), requests=3, max_tokens=160, every=4,
+                              kill_max=0.15, kill_after_chars=40, truncate=False)
     args.reference = ch.References(args.bin, args.model)
     vars(args).update(kw)
     return args

@@ -110,13 +110,17 @@ unsafe fn int8_rows<V: Vnni, const R: usize, const G: usize>(w: *const u8, xq: *
         }
     } else {
         let per_block = V::N / 64;
+        let mut scales = [_mm512_setzero_ps(); R];
         for p in 0..s.pairs {
             let (blk, q) = (p / per_block, p % per_block);
             let mut wp = [(_mm512_setzero_si512(), _mm512_setzero_ps(), _mm_setzero_ps()); R];
             for (i, wi) in wp.iter_mut().enumerate() {
                 let at = w.add(i * s.row_bytes + blk * V::BYTES);
                 prefetch(at.wrapping_add(ahead + q * V::BYTES / per_block));
-                *wi = V::load_pair(at, q, true);
+                if q == 0 {
+                    scales[i] = V::block_scales(at);
+                }
+                *wi = V::load_pair_scaled(at, q, true, scales[i]);
             }
             tokens_dot::<V, R, G>(&wp, xq.add(p), s.pairs, &mut acc, &mut macc);
         }

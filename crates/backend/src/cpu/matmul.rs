@@ -175,13 +175,16 @@ impl CpuMatmul {
         }
     }
 
-    /// Repacks Q5_0, Q4_K and Q6_K rows for the 8-bit kernels where those will run
-    /// (`cpu::vnni_packed`: about half the instructions per row and pair, bit-identical
-    /// results), dropping the file's pages as it goes. The f32-activation kernels keep reading
-    /// the file, whose pages come back on demand.
+    /// Repacks Q5_0 rows for the 8-bit kernels where those will run (`cpu::vnni_packed`: about
+    /// half the instructions per row and pair, the same bytes, bit-identical results), dropping
+    /// the file's pages as it goes. The f32-activation kernels keep reading the file, whose
+    /// pages come back on demand. Q4_K and Q6_K stay in the file's layout: repacked they took
+    /// 33% and 52% more bytes, and decode, bound by memory, was 22% slower for it (the default
+    /// 1.5B Q4_K_M: 21.7 → 27.5–29.9 tok/s on 2 cores without; `Vnni::block_scales` decodes
+    /// their scales once per super-block instead).
     #[cfg(target_arch = "x86_64")]
     fn repack_for_int8(&mut self) {
-        use super::vnni_packed::{pack, Q4KPairs, Q5_0Pairs, Q6KPairs, Repacked};
+        use super::vnni_packed::{pack, Q5_0Pairs, Repacked};
         fn each<R: Repacked>(parts: &mut [Part], cols: usize) {
             for part in parts {
                 let data = &part.data;
@@ -196,8 +199,6 @@ impl CpuMatmul {
         }
         match self.format {
             Format::Q5_0 => each::<Q5_0Pairs>(&mut self.parts, self.cols),
-            Format::Q4K => each::<Q4KPairs>(&mut self.parts, self.cols),
-            Format::Q6K => each::<Q6KPairs>(&mut self.parts, self.cols),
             _ => {}
         }
     }
@@ -418,8 +419,6 @@ fn int8_product(a: &Args, worth: bool, kind: Int8) -> bool {
         }
         match (a.m.format, a.m.repacked()) {
             (Format::Q5_0, true) => run::<packed::Q5_0Pairs>(a, worth, kind, true),
-            (Format::Q4K, true) => run::<packed::Q4KPairs>(a, worth, kind, true),
-            (Format::Q6K, true) => run::<packed::Q6KPairs>(a, worth, kind, true),
             (Format::Q4_0, _) => run::<formats::Q4_0>(a, worth, kind, false),
             (Format::Q4_1, _) => run::<formats::Q4_1>(a, worth, kind, false),
             (Format::Q5_0, _) => run::<formats::Q5_0>(a, worth, kind, false),

@@ -18,7 +18,7 @@
 
 #![cfg(target_arch = "x86_64")]
 
-use super::formats::{self, scale_min_k4, Block};
+use super::formats::{self, Block};
 use std::arch::x86_64::*;
 
 /// Byte order of a pair of blocks in a zmm (see the module comment).
@@ -86,6 +86,27 @@ pub trait Vnni: Block {
     /// # Safety
     /// AVX-512F/BW and F16C are available; `b` points at one (two if `two`) whole blocks.
     unsafe fn load_pair(b: *const u8, p: usize, two: bool) -> (__m512i, __m512, __m128);
+
+    /// The scales of the whole block at `b` that `load_pair_scaled` reads its pairs' from,
+    /// decoded once per row and block instead of once per pair (K formats pack 6- and 8-bit
+    /// scales per super-block; unpacking them per pair cost more than the multiplications).
+    /// Formats without block-wide scales return zeros and ignore them.
+    ///
+    /// # Safety
+    /// As `load_pair`.
+    #[inline(always)]
+    unsafe fn block_scales(_b: *const u8) -> __m512 {
+        _mm512_setzero_ps()
+    }
+
+    /// `load_pair`, given `block_scales(b)`: bit-identical results.
+    ///
+    /// # Safety
+    /// As `load_pair`; `scales` is `block_scales(b)`.
+    #[inline(always)]
+    unsafe fn load_pair_scaled(b: *const u8, p: usize, two: bool, _scales: __m512) -> (__m512i, __m512, __m128) {
+        Self::load_pair(b, p, two)
+    }
 }
 
 #[inline(always)]
@@ -214,19 +235,50 @@ impl Vnni for formats::Q4K {
     const LAYOUT: Layout = Layout::Natural;
     const OFFSET: i32 = 0;
     const MIN: bool = true;
+    #[inline(always)]
+    unsafe fn load_pair(b: *const u8, p: usize, two: bool) -> (__m512i, __m512, __m128) {
+        Self::load_pair_scaled(b, p, two, Self::block_scales(b))
+    }
+
+    /// `[d·sc_0..8, −dmin·m_0..8]` of the eight 32-value sub-blocks.
+    #[inline(always)]
+    unsafe fn block_scales(b: *const u8) -> __m512 {
+        let (sc, m) = k4_scales_mins(b.add(4));
+        let ints = _mm512_cvtepu8_epi32(_mm_set_epi64x(m as i64, sc as i64));
+        let dd = halves(u32_at(b), 0); // [d, dmin, 0, 0]
+        let dd = _mm_xor_ps(dd, _mm_set_ps(0.0, 0.0, -0.0, 0.0)); // [d, −dmin]
+        let factors = _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), _mm512_castps128_ps512(dd));
+        _mm512_mul_ps(_mm512_cvtepi32_ps(ints), factors)
+    }
+
     /// Pair p is the 32 bytes of group p: low nibbles are sub-block 2p, high ones 2p + 1, each
     /// with a 6-bit scale and min: w = d·sc·q − dmin·m.
     #[inline(always)]
-    unsafe fn load_pair(b: *const u8, p: usize, _two: bool) -> (__m512i, __m512, __m128) {
+    unsafe fn load_pair_scaled(b: *const u8, p: usize, _two: bool, scales: __m512) -> (__m512i, __m512, __m128) {
         let q = split_nibbles(_mm256_loadu_si256(b.add(16 + 32 * p) as *const __m256i));
-        let dd = halves(u32_at(b), 0); // [d, dmin, 0, 0]
-        let scales = std::slice::from_raw_parts(b.add(4), 12);
-        let (sc0, m0) = scale_min_k4(2 * p, scales);
-        let (sc1, m1) = scale_min_k4(2 * p + 1, scales);
-        let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
-        let dm = _mm_set_ps(-dmin * m1, d * sc1, -dmin * m0, d * sc0);
-        (q, per_lane(Self::LAYOUT, dm), dm)
+        let p2 = 2 * p as i32;
+        let dw = _mm512_permutexvar_ps(_mm512_set_epi32(p2 + 1, p2 + 1, p2 + 1, p2 + 1, p2 + 1, p2 + 1, p2 + 1, p2 + 1, p2, p2, p2, p2, p2, p2, p2, p2), scales);
+        // [d·sc0, −dmin·m0, d·sc1, −dmin·m1] of the pair's two sub-blocks.
+        let dm = _mm512_permutexvar_ps(_mm512_castsi128_si512(_mm_set_epi32(p2 + 9, p2 + 1, p2 + 8, p2)), scales);
+        (q, dw, _mm512_castps512_ps128(dm))
     }
+}
+
+/// The eight 6-bit scales and eight 6-bit mins of a Q4_K super-block (its 12 packed bytes at
+/// `s`), each as one byte of a u64. Sub-blocks 0..4 keep theirs in the low 6 bits of bytes 0..4
+/// (scales) and 4..8 (mins); sub-blocks 4..8 have their low 4 bits in the nibbles of bytes
+/// 8..12 and their high 2 bits in the top bits of bytes 0..8 (see `formats::scale_min_k4`).
+#[inline(always)]
+unsafe fn k4_scales_mins(s: *const u8) -> (u64, u64) {
+    let (a, b, c) = (u32_at(s) as u32, u32_at(s.add(4)) as u32, u32_at(s.add(8)) as u32);
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+    let sc_lo = a & LOW6;
+    let sc_hi = (c & LOW4) | ((a >> 6) & LOW2) << 4;
+    let m_lo = b & LOW6;
+    let m_hi = ((c >> 4) & LOW4) | ((b >> 6) & LOW2) << 4;
+    (sc_lo as u64 | (sc_hi as u64) << 32, m_lo as u64 | (m_hi as u64) << 32)
 }
 
 impl Vnni for formats::Q6K {
@@ -237,7 +289,7 @@ impl Vnni for formats::Q6K {
     /// (low nibbles for the first quadrant pair, high for the second), 2 high bits from qh;
     /// an i8 scale per 16 values, so four per pair: w = d·sc·(q − 32).
     #[inline(always)]
-    unsafe fn load_pair(b: *const u8, p: usize, _two: bool) -> (__m512i, __m512, __m128) {
+    unsafe fn load_pair_scaled(b: *const u8, p: usize, _two: bool, scales: __m512) -> (__m512i, __m512, __m128) {
         let (h, second) = (p / 2, p % 2 == 1);
         let ql = _mm512_loadu_si512(b.add(64 * h) as *const _);
         let ql = if second { _mm512_srli_epi16(ql, 4) } else { ql };
@@ -249,10 +301,22 @@ impl Vnni for formats::Q6K {
         let shift = _mm512_or_si512(shift, _mm512_slli_epi64(shift, 32));
         let qh = _mm512_and_si512(_mm512_srlv_epi16(qh, shift), _mm512_set1_epi8(3));
         let q = _mm512_or_si512(ql, _mm512_slli_epi16(qh, 4));
-        let sc = _mm_cvtepi8_epi32(_mm_cvtsi32_si128(u32_at(b.add(192 + 8 * h + 4 * (p % 2)))));
-        let sc = _mm_mul_ps(_mm_cvtepi32_ps(sc), _mm_set1_ps(_mm_cvtss_f32(halves(u16_at(b.add(208)), 0))));
-        let idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-        (q, _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(sc)), _mm_setzero_ps())
+        // Scales 4p..4p + 4, one per 16 values.
+        let k = 4 * p as i32;
+        let idx = _mm512_set_epi32(k + 3, k + 3, k + 3, k + 3, k + 2, k + 2, k + 2, k + 2, k + 1, k + 1, k + 1, k + 1, k, k, k, k);
+        (q, _mm512_permutexvar_ps(idx, scales), _mm_setzero_ps())
+    }
+
+    #[inline(always)]
+    unsafe fn load_pair(b: *const u8, p: usize, two: bool) -> (__m512i, __m512, __m128) {
+        Self::load_pair_scaled(b, p, two, Self::block_scales(b))
+    }
+
+    /// `d·sc_k` of the sixteen 16-value chunks.
+    #[inline(always)]
+    unsafe fn block_scales(b: *const u8) -> __m512 {
+        let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(b.add(192) as *const __m128i));
+        _mm512_mul_ps(_mm512_cvtepi32_ps(sc), _mm512_set1_ps(_mm_cvtss_f32(halves(u16_at(b.add(208)), 0))))
     }
 }
 
@@ -434,11 +498,16 @@ unsafe fn rows_dot<V: Vnni, const R: usize>(row: *const u8, row_bytes: usize, xq
     } else {
         let per_block = V::N / 64;
         for (blk, pairs) in xq.chunks_exact(per_block).enumerate() {
+            let mut scales = [_mm512_setzero_ps(); R];
+            for (i, s) in scales.iter_mut().enumerate() {
+                *s = V::block_scales(row.add(i * row_bytes + blk * V::BYTES));
+            }
             for (p, xp) in pairs.iter().enumerate() {
                 for i in 0..R {
                     let at = row.add(i * row_bytes + blk * V::BYTES);
                     prefetch(at.wrapping_add(ahead + p * V::BYTES / per_block));
-                    pair_dot::<V>(at, p, true, xp, &mut acc[i], &mut macc[i]);
+                    let (wq, dw, m) = V::load_pair_scaled(at, p, true, scales[i]);
+                    loaded_pair_dot::<V>(wq, dw, m, xp, &mut acc[i], &mut macc[i]);
                 }
             }
         }
@@ -568,6 +637,22 @@ pub(super) mod tests {
     fn q4_k_within_int8_rounding_bound() {
         check::<formats::Q4K>(512);
         check::<formats::Q4K>(1536);
+    }
+
+    /// The whole-block scale decode gives every sub-block's scale and min as the reference's
+    /// per-sub-block extraction does, on scale bytes with all bit patterns.
+    #[test]
+    fn q4_k_block_scales_match_per_sub_block() {
+        let mut rnd = uniform(0x2545f4914f6cdd1d);
+        for _ in 0..1000 {
+            let bytes: Vec<u8> = (0..12).map(|_| ((rnd() + 1.0) * 128.0) as u8).collect();
+            // SAFETY: 12 readable bytes.
+            let (sc, m) = unsafe { k4_scales_mins(bytes.as_ptr()) };
+            for j in 0..8 {
+                let want = formats::scale_min_k4(j, &bytes);
+                assert_eq!(((sc >> (8 * j)) as u8 as f32, (m >> (8 * j)) as u8 as f32), want, "sub-block {j} of {bytes:?}");
+            }
+        }
     }
 
     #[test]

@@ -105,6 +105,7 @@ unsafe fn tile<V: Vnni, const M: usize>(w: *const u8, nr: usize, xq: *const QPai
     // Lane l of the activations' `[0, s0, 0, s1]` → lane l of the min terms' s.
     let s_index = _mm512_add_epi32(scale_index(V::LAYOUT), _mm512_set1_epi32(1));
     let per_block = (V::N / 64).max(1);
+    let mut scales = [_mm512_setzero_ps(); 4];
     for p in 0..s.pairs {
         let mut wq = [_mm512_setzero_si512(); 4];
         let mut dw = [_mm512_setzero_ps(); 4];
@@ -114,7 +115,11 @@ unsafe fn tile<V: Vnni, const M: usize>(w: *const u8, nr: usize, xq: *const QPai
             let (q, d, m) = if V::N == 32 {
                 V::load_pair(row.add(2 * p * V::BYTES), 0, !(s.odd && p + 1 == s.pairs))
             } else {
-                V::load_pair(row.add(p / per_block * V::BYTES), p % per_block, true)
+                let (blk, at) = (row.add(p / per_block * V::BYTES), p % per_block);
+                if at == 0 {
+                    scales[i] = V::block_scales(blk);
+                }
+                V::load_pair_scaled(blk, at, true, scales[i])
             };
             wq[i] = q;
             dw[i] = d;
@@ -310,7 +315,5 @@ mod speed {
         rate::<formats::Q4_1>("Q4_1", 1536, 576);
         use super::super::vnni_packed::*;
         rate_packed::<Q5_0Pairs>("Q5_0 packed", 2048, 640);
-        rate_packed::<Q6KPairs>("Q6_K packed", 640, 2048);
-        rate_packed::<Q4KPairs>("Q4_K packed", 640, 1024);
     }
 }

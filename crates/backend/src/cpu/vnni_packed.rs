@@ -1,17 +1,17 @@
 //! Quantized weights repacked at load for the 8-bit kernels (`vnni`, `vnni_gemm`), for the
 //! formats whose file layout is dear to unpack per use: in Q5_0 the fifth bits are spread over a
-//! 32-bit word per block and have to be rearranged into a byte mask with scalar shifts; in Q4_K
-//! and Q6_K each pair's scales are 6- or 8-bit fields that have to be extracted, widened and
-//! multiplied by the super-block scale. These took ~20 instructions per row and pair, more than
-//! the multiplications themselves, in decode and again for every tile in prefill.
+//! 32-bit word per block and have to be rearranged into a byte mask with scalar shifts (~20
+//! instructions per row and pair, more than the multiplications themselves, in decode and again
+//! for every tile in prefill).
 //!
 //! A repacked pair holds exactly what `Vnni::load_pair` of the source format computes, stored
-//! ready to load: Q5_0 keeps its nibbles and gets its fifth bits as the 64-bit mask, Q4_K keeps
-//! its nibbles and gets its four f32 (scale, min) products, Q6_K gets its 64 six-bit values as
-//! bytes and its four f32 scale products. The pairs are produced by the source format's own
-//! `load_pair`, so products are bit-identical to the file layout's.
+//! ready to load: Q5_0 keeps its nibbles and gets its fifth bits as the 64-bit mask, in the
+//! file's 44 bytes per 64 values. The pairs are produced by the source format's own `load_pair`,
+//! so products are bit-identical to the file layout's.
 //!
-//! Sizes per 64 values: Q5_0 44 bytes (as the file), Q4_K 48 (file 36), Q6_K 80 (file 52.5).
+//! Q4_K and Q6_K were repacked here too (their scales ready as f32) until that was measured to
+//! cost more than it saved: 48 and 80 bytes per 64 values instead of 36 and 52.5, and decode is
+//! bound by memory. They decode their scales once per super-block instead (`Vnni::block_scales`).
 
 #![cfg(target_arch = "x86_64")]
 
@@ -126,81 +126,6 @@ impl Repacked for Q5_0Pairs {
     }
 }
 
-/// Q4_K pairs: `[the pair's 32 nibble bytes, d·sc0, −dmin·m0, d·sc1, −dmin·m1 (f32)]`.
-pub struct Q4KPairs;
-
-impl Block for Q4KPairs {
-    const N: usize = 64;
-    const BYTES: usize = 48;
-    fn dequant(b: &[u8], out: &mut [f32]) {
-        let f = |i: usize| f32::from_le_bytes(b[32 + 4 * i..36 + 4 * i].try_into().unwrap());
-        for j in 0..32 {
-            out[j] = (b[j] & 15) as f32 * f(0) + f(1);
-            out[32 + j] = (b[j] >> 4) as f32 * f(2) + f(3);
-        }
-    }
-}
-
-impl Vnni for Q4KPairs {
-    const LAYOUT: Layout = Layout::Natural;
-    const OFFSET: i32 = 0;
-    const MIN: bool = true;
-    #[inline(always)]
-    unsafe fn load_pair(b: *const u8, _p: usize, _two: bool) -> (__m512i, __m512, __m128) {
-        let q = split_nibbles(_mm256_loadu_si256(b as *const __m256i));
-        let dm = _mm_loadu_ps(b.add(32) as *const f32);
-        (q, per_lane(Self::LAYOUT, dm), dm)
-    }
-}
-
-impl Repacked for Q4KPairs {
-    type Source = formats::Q4K;
-    unsafe fn pack_pair(row: *const u8, p: usize, out: &mut [u8]) {
-        let (_, _, dm) = source_pair::<Self::Source>(row, p);
-        std::ptr::copy_nonoverlapping(row.add(p / 4 * 144 + 16 + 32 * (p % 4)), out.as_mut_ptr(), 32);
-        _mm_storeu_ps(out.as_mut_ptr().add(32) as *mut f32, dm);
-    }
-}
-
-/// Q6_K pairs: `[64 values q ∈ 0..64 as bytes, the four 16-value scales d·sc (f32)]`.
-pub struct Q6KPairs;
-
-impl Block for Q6KPairs {
-    const N: usize = 64;
-    const BYTES: usize = 80;
-    fn dequant(b: &[u8], out: &mut [f32]) {
-        for (j, o) in out[..64].iter_mut().enumerate() {
-            let s = f32::from_le_bytes(b[64 + 4 * (j / 16)..68 + 4 * (j / 16)].try_into().unwrap());
-            *o = (b[j] as i32 - 32) as f32 * s;
-        }
-    }
-}
-
-impl Vnni for Q6KPairs {
-    const LAYOUT: Layout = Layout::Natural;
-    const OFFSET: i32 = 32;
-    const MIN: bool = false;
-    #[inline(always)]
-    unsafe fn load_pair(b: *const u8, _p: usize, _two: bool) -> (__m512i, __m512, __m128) {
-        let q = _mm512_loadu_si512(b as *const _);
-        // Scale k for the 16 values of chunk k.
-        let index = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-        let scales = _mm512_castps128_ps512(_mm_loadu_ps(b.add(64) as *const f32));
-        (q, _mm512_permutexvar_ps(index, scales), _mm_setzero_ps())
-    }
-}
-
-impl Repacked for Q6KPairs {
-    type Source = formats::Q6K;
-    unsafe fn pack_pair(row: *const u8, p: usize, out: &mut [u8]) {
-        let (q, scales, _) = source_pair::<Self::Source>(row, p);
-        _mm512_storeu_si512(out.as_mut_ptr() as *mut _, q);
-        // Lanes 0, 4, 8, 12 hold the four chunks' scales.
-        let four = _mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), scales);
-        _mm_storeu_ps(out.as_mut_ptr().add(64) as *mut f32, _mm512_castps512_ps128(four));
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::vnni::{self, available};
@@ -258,7 +183,5 @@ mod tests {
     fn repacked_equals_source() {
         check::<Q5_0Pairs>(13, 640);
         check::<Q5_0Pairs>(4, 64);
-        check::<Q4KPairs>(13, 512);
-        check::<Q6KPairs>(11, 768);
     }
 }

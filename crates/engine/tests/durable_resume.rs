@@ -7,36 +7,14 @@
 
 mod common;
 
+use common::record::*;
 use common::*;
-use ferrolm_core::{CancelToken, GenerateParams, GenerationStats, SamplingParams, TokenEvent};
-use ferrolm_engine::{Batch, BatchConfig, Flow, GraphSettings, SeqRequest, Sink};
+use ferrolm_core::SamplingParams;
+use ferrolm_engine::{Batch, BatchConfig, GraphSettings};
 use ferrolm_kv::SeqCache;
 use ferrolm_models::CausalLm;
-use ferrolm_sample::{Sampler, SamplerConfig};
 use std::cell::RefCell;
 use std::rc::Rc;
-
-/// Each token with its logprob's bits (0 when none was reported).
-type Trace = Vec<(u32, u32)>;
-
-#[derive(Default)]
-struct Out {
-    trace: Trace,
-    stats: Option<GenerationStats>,
-}
-
-struct Rec(Rc<RefCell<Out>>);
-
-impl Sink for Rec {
-    fn token(&mut self, e: TokenEvent) -> Flow {
-        self.0.borrow_mut().trace.push((e.token, e.logprobs.map_or(0, |l| l.logprob.to_bits())));
-        Flow::Continue
-    }
-
-    fn finish(&mut self, outcome: Result<GenerationStats, String>) {
-        self.0.borrow_mut().stats = Some(outcome.unwrap());
-    }
-}
 
 const MAX_TOKENS: usize = 40;
 
@@ -51,22 +29,13 @@ fn run(model: &dyn CausalLm, cases: &[(Vec<u32>, SamplingParams)], emitted: &[Ve
     run_with(model, cases, emitted, Default::default())
 }
 
-pub fn run_with(model: &dyn CausalLm, cases: &[(Vec<u32>, SamplingParams)], emitted: &[Vec<u32>], graph: GraphSettings) -> Vec<Run> {
+fn run_with(model: &dyn CausalLm, cases: &[(Vec<u32>, SamplingParams)], emitted: &[Vec<u32>], graph: GraphSettings) -> Vec<Run> {
     let cfg = BatchConfig { max_batch_tokens: 512, max_seqs: 16, kv_budget_bytes: 1 << 30, prompt_cache_bytes: 0 };
-    let sampler_cfg = SamplerConfig { vocab_size: model.info().vocab_size, ..Default::default() };
     let mut batch = Batch::new(model, cfg, graph);
     let recs: Vec<_> = cases.iter().map(|_| Rc::new(RefCell::new(Out::default()))).collect();
     let mut ids = Vec::new();
     for (((prompt, sp), r), e) in cases.iter().zip(&recs).zip(emitted) {
-        let req = SeqRequest {
-            prompt: prompt.clone(),
-            params: GenerateParams { max_tokens: MAX_TOKENS, sampling: sp.clone(), ..Default::default() },
-            eos_ids: vec![],
-            cancel: CancelToken::new(),
-            sampler: Box::new(Sampler::new(sp, &sampler_cfg).unwrap()),
-            sink: Box::new(Rec(r.clone())),
-            constraint: None,
-        };
+        let req = request_with(model, prompt, sp, MAX_TOKENS, r);
         ids.push(batch.add_resumed(req, model.make_cache(), e));
     }
     let mut caches: Vec<Option<SeqCache>> = cases.iter().map(|_| None).collect();

@@ -3,34 +3,13 @@
 
 mod common;
 
+use common::record::{request_with, Out};
 use common::*;
-use ferrolm_core::{CancelToken, GenerateParams, GenerationStats, SamplingParams, TokenEvent};
-use ferrolm_engine::{Batch, BatchConfig, DraftModelProposer, Flow, Proposer, SeqRequest, Sink, SpecConfig};
+use ferrolm_core::SamplingParams;
+use ferrolm_engine::{Batch, BatchConfig, DraftModelProposer, Proposer, SpecConfig};
 use ferrolm_models::CausalLm;
-use ferrolm_sample::{Sampler, SamplerConfig};
 use std::cell::RefCell;
 use std::rc::Rc;
-
-type Trace = Vec<(u32, u32)>;
-
-#[derive(Default)]
-struct Out {
-    trace: Trace,
-    stats: Option<GenerationStats>,
-}
-
-struct Rec(Rc<RefCell<Out>>);
-
-impl Sink for Rec {
-    fn token(&mut self, e: TokenEvent) -> Flow {
-        self.0.borrow_mut().trace.push((e.token, e.logprobs.map_or(0, |l| l.logprob.to_bits())));
-        Flow::Continue
-    }
-
-    fn finish(&mut self, outcome: Result<GenerationStats, String>) {
-        self.0.borrow_mut().stats = Some(outcome.unwrap());
-    }
-}
 
 /// Runs `prompts` together (or one by one when `together` is false) and returns each output
 /// and the number of steps taken.
@@ -46,7 +25,6 @@ fn run_with(
     together: bool,
 ) -> (Vec<Out>, usize) {
     let cfg = BatchConfig { max_batch_tokens: 512, max_seqs: 16, kv_budget_bytes: 1 << 30, prompt_cache_bytes: 0 };
-    let sampler_cfg = SamplerConfig { vocab_size: model.info().vocab_size, ..Default::default() };
     let mut outs = Vec::new();
     let mut steps = 0;
     let groups: Vec<&[(Vec<u32>, SamplingParams)]> = if together { vec![prompts] } else { prompts.chunks(1).collect() };
@@ -58,21 +36,9 @@ fn run_with(
         }
         let recs: Vec<_> = group.iter().map(|_| Rc::new(RefCell::new(Out::default()))).collect();
         for ((prompt, sp), r) in group.iter().zip(&recs) {
-            let req = SeqRequest {
-                prompt: prompt.clone(),
-                params: GenerateParams { max_tokens: 40, sampling: sp.clone(), ..Default::default() },
-                eos_ids: vec![],
-                cancel: CancelToken::new(),
-                sampler: Box::new(Sampler::new(sp, &sampler_cfg).unwrap()),
-                sink: Box::new(Rec(r.clone())),
-                constraint: None,
-            };
-            batch.add(req, model.make_cache());
+            batch.add(request_with(model, prompt, sp, 40, r), model.make_cache());
         }
-        while !batch.is_idle() {
-            batch.step(&|| false);
-            steps += 1;
-        }
+        steps += record::run(&mut batch);
         outs.extend(recs.into_iter().map(|r| Rc::try_unwrap(r).ok().unwrap().into_inner()));
     }
     (outs, steps)
@@ -186,29 +152,6 @@ fn a_self_draft_guesses_the_target_s_greedy_tokens() {
     assert_eq!(draft.propose(&other, 3), greedy_after(model, &other, 3));
 }
 
-/// One sequence's generated tokens and its speculation counters.
-#[derive(Default)]
-struct Draws {
-    tokens: Vec<u32>,
-    drafted: usize,
-    accepted: usize,
-}
-
-struct DrawSink(Rc<RefCell<Draws>>);
-
-impl Sink for DrawSink {
-    fn token(&mut self, e: TokenEvent) -> Flow {
-        self.0.borrow_mut().tokens.push(e.token);
-        Flow::Continue
-    }
-
-    fn finish(&mut self, outcome: Result<GenerationStats, String>) {
-        let s = outcome.unwrap();
-        let mut d = self.0.borrow_mut();
-        (d.drafted, d.accepted) = (s.drafted_tokens, s.accepted_tokens);
-    }
-}
-
 /// Probabilities of `logits` (f32) with `bias` added to token `biased`, at temperature 1.
 fn target_probs(logits: &[f32], biased: u32, bias: f32) -> Vec<f64> {
     let z: Vec<f64> = logits.iter().enumerate().map(|(i, &l)| (l + if i as u32 == biased { bias } else { 0.0 }) as f64).collect();
@@ -273,35 +216,24 @@ fn sampled_speculation_keeps_the_target_distribution() {
     let prompt: Vec<u32> = vec![5, 6, DRAFT, 8, 5, 6];
     let sp = |seed| SamplingParams { temperature: 1.0, seed: Some(seed), logit_bias: vec![(DRAFT, BIAS)], ..Default::default() };
     let cfg = BatchConfig { max_batch_tokens: 4096, max_seqs: 512, kv_budget_bytes: 1 << 30, prompt_cache_bytes: 0 };
-    let sampler_cfg = SamplerConfig { vocab_size: vocab, ..Default::default() };
     let (mut first, mut second) = (vec![0usize; vocab], vec![0usize; vocab]);
     let (mut drafted, mut accepted) = (0, 0);
     for chunk in (0..DRAWS).collect::<Vec<_>>().chunks(500) {
         let mut batch = Batch::new(model, cfg, Default::default());
         batch.set_speculation(Some(SpecConfig { max_drafts: 4, ngram_min: 2, ngram_max: 2 }));
-        let outs: Vec<_> = chunk.iter().map(|_| Rc::new(RefCell::new(Draws::default()))).collect();
+        let outs: Vec<_> = chunk.iter().map(|_| Rc::new(RefCell::new(Out::default()))).collect();
         for (&seed, out) in chunk.iter().zip(&outs) {
-            let req = SeqRequest {
-                prompt: prompt.clone(),
-                params: GenerateParams { max_tokens: 2, sampling: sp(seed), ..Default::default() },
-                eos_ids: vec![],
-                cancel: CancelToken::new(),
-                sampler: Box::new(Sampler::new(&sp(seed), &sampler_cfg).unwrap()),
-                sink: Box::new(DrawSink(out.clone())),
-                constraint: None,
-            };
-            batch.add(req, model.make_cache());
+            batch.add(request_with(model, &prompt, &sp(seed), 2, out), model.make_cache());
         }
-        while !batch.is_idle() {
-            batch.step(&|| false);
-        }
+        record::run(&mut batch);
         for out in outs {
             let d = out.borrow();
-            first[d.tokens[0] as usize] += 1;
-            if d.tokens[0] == DRAFT {
-                second[d.tokens[1] as usize] += 1;
+            let (tokens, stats) = (&d.trace, d.stats.as_ref().unwrap());
+            first[tokens[0].0 as usize] += 1;
+            if tokens[0].0 == DRAFT {
+                second[tokens[1].0 as usize] += 1;
             }
-            (drafted, accepted) = (drafted + d.drafted, accepted + d.accepted);
+            (drafted, accepted) = (drafted + stats.drafted_tokens, accepted + stats.accepted_tokens);
         }
     }
     assert_eq!(drafted as u64, DRAWS, "every sequence verified one draft");

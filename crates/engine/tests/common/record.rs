@@ -40,13 +40,18 @@ pub fn sampling() -> SamplingParams {
 
 /// A greedy request of `max_tokens` recording into `out`.
 pub fn request(model: &dyn CausalLm, prompt: &[u32], max_tokens: usize, out: &Rc<RefCell<Out>>) -> SeqRequest<'static> {
+    request_with(model, prompt, &sampling(), max_tokens, out)
+}
+
+/// A request of `max_tokens` with sampling `sp` recording into `out`.
+pub fn request_with(model: &dyn CausalLm, prompt: &[u32], sp: &SamplingParams, max_tokens: usize, out: &Rc<RefCell<Out>>) -> SeqRequest<'static> {
     let cfg = SamplerConfig { vocab_size: model.info().vocab_size, ..Default::default() };
     SeqRequest {
         prompt: prompt.to_vec(),
-        params: GenerateParams { max_tokens, sampling: sampling(), ..Default::default() },
+        params: GenerateParams { max_tokens, sampling: sp.clone(), ..Default::default() },
         eos_ids: vec![],
         cancel: CancelToken::new(),
-        sampler: Box::new(Sampler::new(&sampling(), &cfg).unwrap()),
+        sampler: Box::new(Sampler::new(sp, &cfg).unwrap()),
         sink: Box::new(Rec(out.clone())),
         constraint: None,
     }
@@ -66,9 +71,12 @@ pub fn solo(model: &dyn CausalLm, prompt: &[u32], max_tokens: usize) -> Trace {
     trace
 }
 
-/// Steps the batch until every sequence has ended.
-pub fn run(batch: &mut Batch<'_>) {
+/// Steps the batch until every sequence has ended; the number of steps taken.
+pub fn run(batch: &mut Batch<'_>) -> usize {
+    let mut steps = 0;
     while !batch.is_idle() {
         batch.step(&|| false);
+        steps += 1;
     }
+    steps
 }

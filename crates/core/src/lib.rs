@@ -8,8 +8,8 @@ mod stats;
 
 pub use cancel::CancelToken;
 pub use error::{Error, Result};
-pub use params::{GenerateParams, SamplingParams};
-pub use stats::{FinishReason, GenerationStats, TokenEvent, TokenLogprobs};
+pub use params::{FillPlan, GenerateParams, SamplingParams, ToolCallSpan};
+pub use stats::{FillStats, FinishReason, GenerationStats, SpanCounts, TokenEvent, TokenLogprobs};
 
 /// A token id in a model's vocabulary.
 pub type TokenId = u32;

@@ -85,6 +85,31 @@ pub struct GenerateParams {
     /// The LoRA adapters to run with, as the request names them (`a`, `a+b`); None (or `none`):
     /// the base model. Resolved against the mounted adapters when the sequence starts.
     pub adapter: Option<String>,
+    /// Fill (token fast-forwarding, docs/fill.md): the spans this request determines, verified
+    /// like drafts; None: fill off for this request.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fill: Option<FillPlan>,
+}
+
+/// What fill may append to one request's output without sampling it first (every appended
+/// token is still checked against the request's own draw at its position, see docs/fill.md).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FillPlan {
+    /// Assert spans: per offered tool, a call to it from its first token up to its arguments,
+    /// sliced from the conversation rendered with that call by the model's own chat template.
+    pub tool_calls: Vec<ToolCallSpan>,
+    /// Verify spans: whether continuations copied from earlier in the conversation are tried
+    /// too (prompt lookup; left to speculative decoding when the server runs it).
+    pub copies: bool,
+}
+
+/// The tokens of one tool's call up to its arguments, and which of them hold a letter (a span
+/// is appended only after output that matched such a token: bare markup such as `{"` opens too
+/// much ordinary text).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCallSpan {
+    pub tokens: Vec<TokenId>,
+    pub letters: Vec<bool>,
 }
 
 impl Default for GenerateParams {
@@ -97,6 +122,7 @@ impl Default for GenerateParams {
             snapshot_at: None,
             speculative: true,
             adapter: None,
+            fill: None,
         }
     }
 }

@@ -59,5 +59,44 @@ pub struct GenerationStats {
     /// Speculative decoding: draft tokens verified, and how many of them were kept.
     pub drafted_tokens: usize,
     pub accepted_tokens: usize,
+    /// Fill (docs/fill.md): spans appended, tokens kept and rows taken back, by policy.
+    pub fill: FillStats,
     pub finish_reason: Option<FinishReason>,
+}
+
+/// Fill's counters for one generation (`usage.fill`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FillStats {
+    /// Spans the request determines (tool-call scaffold, tool names).
+    pub assert: SpanCounts,
+    /// Spans copied from earlier in the conversation.
+    pub verify: SpanCounts,
+}
+
+impl FillStats {
+    pub fn is_empty(&self) -> bool {
+        self.assert.spans + self.verify.spans == 0
+    }
+
+    pub fn add(&mut self, other: &FillStats) {
+        self.assert.add(&other.assert);
+        self.verify.add(&other.verify);
+    }
+}
+
+/// Spans appended with one forward each, the tokens of them kept (emitted without a forward of
+/// their own) and those taken back out of the cache (rows computed in vain).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpanCounts {
+    pub spans: usize,
+    pub injected: usize,
+    pub wasted: usize,
+}
+
+impl SpanCounts {
+    pub fn add(&mut self, other: &SpanCounts) {
+        self.spans += other.spans;
+        self.injected += other.injected;
+        self.wasted += other.wasted;
+    }
 }

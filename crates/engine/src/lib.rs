@@ -8,6 +8,7 @@ pub mod config;
 pub mod constraint;
 pub mod draft;
 pub mod durable;
+pub mod fill;
 mod embed;
 mod gauges;
 mod generate;

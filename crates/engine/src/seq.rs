@@ -3,6 +3,7 @@
 //! scheduler sees it only through `SeqView`.
 
 use crate::constraint::TokenConstraint;
+use crate::fill::{Fill, Policy};
 use crate::sampler::TokenSampler;
 use crate::scheduler::{SeqView, Want};
 use crate::spec::{Proposer, SpecStats};
@@ -72,6 +73,11 @@ pub struct Sequence<'a> {
     max_gamma: usize,
     rows: Vec<TokenId>,
     spec: SpecStats,
+    /// Fill (`fill.rs`): spans the request determines or copies, proposed before speculation's
+    /// drafts and verified the same way; which of them this step's drafts are (None: the
+    /// proposer's).
+    fill: Option<Fill>,
+    drafts_from: Option<Policy>,
     constraint: Option<Box<dyn TokenConstraint + 'a>>,
     /// Rows of the step in flight that were delivered before it (the last one's logits are
     /// the first to sample).
@@ -85,6 +91,7 @@ impl<'a> Sequence<'a> {
     pub fn new(id: u64, req: SeqRequest<'a>, mut cache: SeqCache) -> Self {
         let cached = reuse_cached_prefix(&mut cache, req.prompt.len());
         let stats = GenerationStats { prompt_tokens: req.prompt.len(), cached_tokens: cached, ..Default::default() };
+        let fill = req.params.fill.clone().filter(|_| req.constraint.is_none()).map(|plan| Fill::new(plan, req.prompt.len()));
         let mut seq = Self {
             id,
             prefill_len: req.prompt.len(),
@@ -107,6 +114,9 @@ impl<'a> Sequence<'a> {
             max_gamma: 0,
             rows: Vec::new(),
             spec: SpecStats::default(),
+            // A constrained sequence's forced tokens are jump-forward's (the grammar's own).
+            fill,
+            drafts_from: None,
             constraint: req.constraint,
             pending_rows: 1,
             lora: None,
@@ -199,17 +209,27 @@ impl<'a> Sequence<'a> {
         self.constraint.is_some()
     }
 
-    /// Asks the proposer for this step's drafts: no more than the tokens left to generate
-    /// allow, nor than the cache can take back (a sliding window that has moved on cannot).
+    /// Asks fill, then the proposer, for this step's drafts: no more than the tokens left to
+    /// generate allow, nor than the cache can take back (a sliding window that has moved on
+    /// cannot).
     pub fn propose(&mut self) {
         self.drafts.clear();
-        if self.proposer.is_none() || !self.is_decoding() {
+        self.drafts_from = None;
+        if (self.proposer.is_none() && self.fill.is_none()) || !self.is_decoding() {
             return;
         }
-        let limit = self.gamma.min(self.remaining().saturating_sub(1)).min(self.cache.max_trim());
-        if let Some(p) = self.proposer.as_mut() {
-            self.drafts = p.propose(&self.tokens, limit);
+        let limit = self.remaining().saturating_sub(1).min(self.cache.max_trim());
+        let copy = self.proposer.is_none();
+        if let Some((span, policy)) = self.fill.as_mut().and_then(|f| f.propose(&self.tokens, limit, copy)) {
+            (self.drafts, self.drafts_from) = (span, Some(policy));
+        } else if let Some(p) = self.proposer.as_mut() {
+            self.drafts = p.propose(&self.tokens, limit.min(self.gamma));
         }
+    }
+
+    /// Whether fill would append a span the request determines after the tokens so far.
+    pub fn fill_ready(&self) -> bool {
+        self.fill.as_ref().is_some_and(|f| f.has_assert_span(&self.tokens))
     }
 
     /// The most cache tokens this sequence can reach: prompt plus every token it may generate.
@@ -290,9 +310,14 @@ impl<'a> Sequence<'a> {
             }
             accepted += 1;
         }
-        self.spec.drafted += drafts.len();
-        self.spec.accepted += accepted;
-        self.adapt_gamma(accepted, drafts.len());
+        match (self.drafts_from.take(), self.fill.as_mut()) {
+            (Some(policy), Some(fill)) if !drafts.is_empty() => fill.record(policy, drafts.len(), accepted),
+            _ => {
+                self.spec.drafted += drafts.len();
+                self.spec.accepted += accepted;
+                self.adapt_gamma(accepted, drafts.len());
+            }
+        }
         // The rejected drafts' rows leave the cache; it then holds a prefix of the tokens.
         let extra = drafts.len() - accepted;
         if self.cache.trim(extra) != extra {
@@ -449,6 +474,7 @@ impl<'a> Sequence<'a> {
         stats.decode_tps = rate(stats.generated_tokens as f64, stats.decode_ms);
         stats.cache_tokens = self.tokens[..self.cache.offset().min(self.tokens.len())].to_vec();
         (stats.drafted_tokens, stats.accepted_tokens) = (self.spec.drafted, self.spec.accepted);
+        stats.fill = self.fill.as_ref().map(|f| f.stats).unwrap_or_default();
         stats.finish_reason = self.ended.flatten();
         stats
     }

@@ -468,7 +468,8 @@ impl<'a> Batch<'a> {
         let (first, n) = (*seq.tokens.last().expect("a decoding sequence has tokens"), seq.remaining());
         let ran = decoder.run(self.model, &mut cache, first, n, &mut |t| {
             seq.deliver(t, None);
-            !seq.is_done() && !interrupted()
+            // A span fill would append ends the captured run: the engine step verifies it.
+            !seq.is_done() && !interrupted() && !seq.fill_ready()
         });
         seq.cache = cache;
         match ran {

@@ -11,7 +11,7 @@
 //! sequence holding its sole reference: writing into a shared block first copies it
 //! (copy-on-write), so a shared block is never written.
 
-use crate::{KvCache, KvView};
+use crate::{KvCache, KvView, PlainCache};
 use candle_core::{DType, Device, Result, Tensor};
 use ferrolm_backend::paged::BlockTable;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -278,7 +278,7 @@ impl KvCache for PagedCache {
     /// The same state as a contiguous cache's (`state` gathers it), so snapshots and disk files
     /// are interchangeable between the layouts.
     fn signature(&self) -> String {
-        "kv:plain".into()
+        PlainCache::SIGNATURE.into()
     }
 
     fn bytes_per_token(&self) -> usize {
@@ -324,7 +324,6 @@ impl KvCache for PagedCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::PlainCache;
 
     fn rows(n: usize, seed: f32) -> Tensor {
         let data: Vec<f32> = (0..2 * n * 8).map(|i| seed + i as f32).collect();

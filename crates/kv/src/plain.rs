@@ -16,6 +16,10 @@ pub struct PlainCache {
 }
 
 impl PlainCache {
+    /// Names a float cache holding every token in order; a paged layer's state is the same
+    /// (`PagedCache` signs with it too, so snapshots and disk files move between the layouts).
+    pub(crate) const SIGNATURE: &'static str = "kv:plain";
+
     pub fn new(kv_heads: usize, head_dim: usize, dtype: DType, device: &Device) -> Self {
         Self {
             k: None,
@@ -51,15 +55,12 @@ impl PlainCache {
         Ok(())
     }
 
-    fn view(&self) -> Result<Option<KvView>> {
+    /// The first `n` tokens (at most `offset`); None before any buffer exists.
+    fn first(&self, n: usize) -> Result<Option<KvView>> {
         match (&self.k, &self.v) {
-            (Some(k), Some(v)) => Ok(Some(KvView {
-                k: k.narrow(1, 0, self.offset)?,
-                v: v.narrow(1, 0, self.offset)?,
-                key_start: 0,
-                quant: None,
-                table: None,
-            })),
+            (Some(k), Some(v)) => {
+                Ok(Some(KvView { k: k.narrow(1, 0, n)?, v: v.narrow(1, 0, n)?, key_start: 0, quant: None, table: None }))
+            }
             _ => Ok(None),
         }
     }
@@ -73,7 +74,7 @@ impl KvCache for PlainCache {
         bk.slice_set(&k.to_dtype(self.dtype)?.contiguous()?, 1, self.offset)?;
         bv.slice_set(&v.to_dtype(self.dtype)?.contiguous()?, 1, self.offset)?;
         self.offset += new;
-        Ok(self.view()?.expect("reserved above"))
+        Ok(self.first(self.offset)?.expect("reserved above"))
     }
 
     fn offset(&self) -> usize {
@@ -91,7 +92,7 @@ impl KvCache for PlainCache {
     }
 
     fn signature(&self) -> String {
-        "kv:plain".into()
+        Self::SIGNATURE.into()
     }
 
     fn plain_shape(&self) -> Option<(usize, usize, DType)> {
@@ -111,7 +112,7 @@ impl KvCache for PlainCache {
     }
 
     fn state(&self) -> Result<Option<KvView>> {
-        self.view()
+        self.first(self.offset)
     }
 
     fn load_state(&mut self, state: &KvView, offset: usize) -> Result<()> {
@@ -124,12 +125,10 @@ impl KvCache for PlainCache {
     }
 
     fn state_prefix(&self, n: usize) -> Result<Option<KvView>> {
-        match (&self.k, &self.v) {
-            (Some(k), Some(v)) if n <= self.offset => {
-                Ok(Some(KvView { k: k.narrow(1, 0, n)?, v: v.narrow(1, 0, n)?, key_start: 0, quant: None, table: None }))
-            }
-            _ => Ok(None),
+        if n > self.offset {
+            return Ok(None);
         }
+        self.first(n)
     }
 
     fn static_buffers(&mut self, extra: usize) -> Result<Option<(Tensor, Tensor)>> {

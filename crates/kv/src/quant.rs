@@ -8,7 +8,9 @@ use candle_core::{DType, Device, Result, Tensor};
 use ferrolm_backend::kv_quant::{self, KvQuant};
 
 mod deferred;
+mod rows;
 mod turbo;
+use rows::{RowCache, RowCodec};
 pub use turbo::TurboCache;
 
 /// How a model's full-attention layers cache keys and values. Sliding-window layers (Gemma 3's
@@ -63,82 +65,37 @@ impl KvScheme {
     }
 }
 
-/// A growing cache of quantized rows: a [`PlainCache`] of U8 rows `[kv_heads, tokens,
-/// row_bytes]` (the same slab growth, trimming and snapshots), quantizing what is written.
-pub struct QuantCache {
-    rows: PlainCache,
-    quant: KvQuant,
-    head_dim: usize,
-}
+/// A growing cache of affine-quantized rows `[kv_heads, tokens, row_bytes]` (a [`RowCache`]:
+/// the same slab growth, trimming and snapshots as a [`PlainCache`]), quantizing what is
+/// written; attention reads the rows.
+pub type QuantCache = RowCache<AffineRows>;
+
+/// The affine row format (`--kv-bits`): keys and values quantized alike.
+pub struct AffineRows(KvQuant);
 
 impl QuantCache {
     /// Panics if `head_dim` is not whole groups (`KvScheme::check` first).
     pub fn new(kv_heads: usize, head_dim: usize, quant: KvQuant, device: &Device) -> Self {
         quant.check_head_dim(head_dim).expect("KvScheme::check before building caches");
-        Self { rows: PlainCache::new(kv_heads, quant.row_bytes(head_dim), DType::U8, device), quant, head_dim }
-    }
-
-    fn tagged(&self, view: Option<KvView>) -> Option<KvView> {
-        view.map(|v| KvView { quant: Some(self.quant), ..v })
-    }
-
-    /// Whether `state` holds rows of this cache's format (a state read from disk carries no
-    /// format; the entry's signature named it).
-    fn check_state(&self, state: &KvView) -> Result<()> {
-        let rows_fit = state.k.dtype() == DType::U8 && state.k.dims().get(2) == Some(&self.quant.row_bytes(self.head_dim));
-        if !rows_fit || state.quant.is_some_and(|q| q != self.quant) {
-            candle_core::bail!("{}: a state of other rows ({:?}, {:?})", self.signature(), state.k.dtype(), state.quant)
-        }
-        Ok(())
+        RowCache::with_codec(AffineRows(quant), kv_heads, quant.row_bytes(head_dim), device)
     }
 }
 
-impl KvCache for QuantCache {
-    fn update_and_fetch(&mut self, k: &Tensor, v: &Tensor) -> Result<KvView> {
-        let (rk, rv) = (kv_quant::quantize(self.quant, k)?, kv_quant::quantize(self.quant, v)?);
-        let view = self.rows.update_and_fetch(&rk, &rv)?;
-        Ok(KvView { quant: Some(self.quant), ..view })
+impl RowCodec for AffineRows {
+    fn format(&self) -> KvQuant {
+        self.0
     }
 
-    fn offset(&self) -> usize {
-        self.rows.offset()
+    fn tag(&self) -> Option<KvQuant> {
+        Some(self.0)
     }
 
-    fn is_trimmable(&self) -> bool {
-        true
+    fn encode(&self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok((kv_quant::quantize(self.0, k)?, kv_quant::quantize(self.0, v)?))
     }
 
-    fn trim(&mut self, n: usize) -> usize {
-        self.rows.trim(n)
-    }
-
-    fn signature(&self) -> String {
-        format!("kv:{}", self.quant.name())
-    }
-
-    fn bytes_per_token(&self) -> usize {
-        self.rows.bytes_per_token()
-    }
-
-    fn bytes_held(&self) -> usize {
-        self.rows.bytes_held()
-    }
-
-    fn device(&self) -> &Device {
-        self.rows.device()
-    }
-
-    fn state(&self) -> Result<Option<KvView>> {
-        Ok(self.tagged(self.rows.state()?))
-    }
-
-    fn load_state(&mut self, state: &KvView, offset: usize) -> Result<()> {
-        self.check_state(state)?;
-        self.rows.load_state(state, offset)
-    }
-
-    fn state_prefix(&self, n: usize) -> Result<Option<KvView>> {
-        Ok(self.tagged(self.rows.state_prefix(n)?))
+    fn fetch(&self, rows: KvView) -> Result<KvView> {
+        Ok(KvView { quant: Some(self.0), ..rows })
     }
 }
 

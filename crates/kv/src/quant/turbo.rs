@@ -4,16 +4,19 @@
 //! TurboQuant rows yet, so every step widens the whole cache: memory is saved, time is not).
 //!
 //! Storage: each (head, token) holds its key row then its value row, `key + value` bytes, cut
-//! into two halves kept as the `k` and `v` rows of a [`PlainCache`] of U8 (so slab growth,
-//! trimming, snapshots, forks and the prompt cache's tiers work unchanged, and the bytes held
-//! are exactly the rows'). The halves are equal: both row sizes are multiples of 2.
+//! into two halves kept as the `k` and `v` rows of a [`RowCache`] (a `PlainCache` of U8: slab
+//! growth, trimming, snapshots, forks and the prompt cache's tiers work unchanged, and the bytes
+//! held are exactly the rows'). The halves are equal: both row sizes are multiples of 2.
 
-use crate::{KvCache, KvView, PlainCache};
+use super::{RowCache, RowCodec};
+use crate::KvView;
 use candle_core::{DType, Device, Result, Tensor};
 use ferrolm_backend::kv_quant::{self, turbo, KvQuant};
 
-pub struct TurboCache {
-    rows: PlainCache,
+pub type TurboCache = RowCache<TurboRows>;
+
+/// The joined key + value rows of a TurboQuant format.
+pub struct TurboRows {
     quant: KvQuant,
     kv_heads: usize,
     head_dim: usize,
@@ -25,12 +28,30 @@ impl TurboCache {
     pub fn new(kv_heads: usize, head_dim: usize, quant: KvQuant, device: &Device) -> Self {
         assert!(quant.turbo_values.is_some(), "a TurboQuant format");
         quant.check_head_dim(head_dim).expect("KvScheme::check before building caches");
-        let half = (quant.row_bytes(head_dim) + quant.value_row_bytes(head_dim)) / 2;
-        Self { rows: PlainCache::new(kv_heads, half, DType::U8, device), quant, kv_heads, head_dim }
+        let rows = TurboRows { quant, kv_heads, head_dim };
+        let half = rows.rows_half();
+        RowCache::with_codec(rows, kv_heads, half, device)
     }
+}
 
+impl TurboRows {
     fn key_bytes(&self) -> usize {
         self.quant.row_bytes(self.head_dim)
+    }
+
+    fn rows_half(&self) -> usize {
+        (self.key_bytes() + self.quant.value_row_bytes(self.head_dim)) / 2
+    }
+}
+
+impl RowCodec for TurboRows {
+    fn format(&self) -> KvQuant {
+        self.quant
+    }
+
+    /// None: attention gets widened keys and values, and a state is the bare rows.
+    fn tag(&self) -> Option<KvQuant> {
+        None
     }
 
     /// `k`, `v` `[kv_heads, tokens, head_dim]` → the two halves of their joined rows.
@@ -51,7 +72,7 @@ impl TurboCache {
     }
 
     /// The halves `[kv_heads, tokens, half]` → f32 keys and values `[kv_heads, tokens, d]`.
-    fn decode(&self, view: KvView) -> Result<KvView> {
+    fn fetch(&self, view: KvView) -> Result<KvView> {
         let d = self.head_dim;
         let joined = Tensor::cat(&[&view.k, &view.v], 2)?.flatten_all()?.to_vec1::<u8>()?;
         let (kb, bits) = (self.key_bytes(), self.quant.turbo_values.unwrap_or(3));
@@ -66,72 +87,12 @@ impl TurboCache {
         let dev = view.k.device();
         Ok(KvView { k: Tensor::from_vec(keys, shape, dev)?, v: Tensor::from_vec(values, shape, dev)?, quant: None, ..view })
     }
-
-    fn rows_half(&self) -> usize {
-        (self.key_bytes() + self.quant.value_row_bytes(self.head_dim)) / 2
-    }
-
-    fn check_state(&self, state: &KvView) -> Result<()> {
-        if state.k.dtype() != DType::U8 || state.k.dims().get(2) != Some(&self.rows_half()) || state.quant.is_some() {
-            candle_core::bail!("{}: a state of other rows ({:?}, {:?})", self.signature(), state.k.dtype(), state.quant)
-        }
-        Ok(())
-    }
-}
-
-impl KvCache for TurboCache {
-    fn update_and_fetch(&mut self, k: &Tensor, v: &Tensor) -> Result<KvView> {
-        let (a, b) = self.encode(k, v)?;
-        let view = self.rows.update_and_fetch(&a, &b)?;
-        self.decode(view)
-    }
-
-    fn offset(&self) -> usize {
-        self.rows.offset()
-    }
-
-    fn is_trimmable(&self) -> bool {
-        true
-    }
-
-    fn trim(&mut self, n: usize) -> usize {
-        self.rows.trim(n)
-    }
-
-    fn signature(&self) -> String {
-        format!("kv:{}", self.quant.name())
-    }
-
-    fn bytes_per_token(&self) -> usize {
-        self.rows.bytes_per_token()
-    }
-
-    fn bytes_held(&self) -> usize {
-        self.rows.bytes_held()
-    }
-
-    fn device(&self) -> &Device {
-        self.rows.device()
-    }
-
-    /// The stored rows themselves (what the prompt cache keeps), not the widened values.
-    fn state(&self) -> Result<Option<KvView>> {
-        self.rows.state()
-    }
-
-    fn load_state(&mut self, state: &KvView, offset: usize) -> Result<()> {
-        self.check_state(state)?;
-        self.rows.load_state(state, offset)
-    }
-
-    fn state_prefix(&self, n: usize) -> Result<Option<KvView>> {
-        self.rows.state_prefix(n)
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::KvCache;
 
     fn floats(t: &Tensor) -> Vec<f32> {
         t.flatten_all().unwrap().to_vec1::<f32>().unwrap()

@@ -7,6 +7,7 @@ device copy bandwidth) and transformers `generate` on the same weights at the sa
 (bf16, eager, greedy). Appends rows to OUT_DIR/batch_bench.json and prints a markdown table."""
 import json, os, subprocess, sys, time
 import torch, transformers
+from common import d2d_bandwidth
 
 BIN, MODELS, OUT, SHAPE = sys.argv[1:5]
 BATCHES = [int(b) for b in sys.argv[5:]] or [1, 8, 32, 128]
@@ -18,20 +19,6 @@ results = json.load(open(results_file)) if os.path.exists(results_file) else {}
 
 def log(*a):
     print(*a, flush=True)
-
-
-def copy_bandwidth():
-    """Device-to-device copy of 4 GiB: bytes read + written per second, best of 10."""
-    x = torch.empty(1 << 31, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    y.copy_(x)
-    best = 1e9
-    for _ in range(10):
-        torch.cuda.synchronize(); t = time.perf_counter()
-        y.copy_(x)
-        torch.cuda.synchronize(); best = min(best, time.perf_counter() - t)
-    del x, y; torch.cuda.empty_cache()
-    return 2 * (1 << 31) * 2 / best
 
 
 def config():
@@ -80,7 +67,7 @@ def hf(n):
     return out
 
 
-bw = results.get("copy_bytes_per_s") or copy_bandwidth()
+bw = results.get("copy_bytes_per_s") or d2d_bandwidth()
 results["copy_bytes_per_s"] = bw
 wb, kvt = weight_bytes(), kv_bytes_per_token()
 rows = results.setdefault(SHAPE, {})

@@ -4,6 +4,7 @@ STEPs: bandwidth, logits, bench (default: all). Prints a markdown table and writ
 OUT_DIR/results.json. Every figure comes from this one run on this one machine."""
 import json, os, subprocess, sys, time
 import numpy as np, torch, transformers
+from common import d2d_bandwidth
 
 BIN, MODELS, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
 STEPS = sys.argv[4:] or ["bandwidth", "logits", "bench"]
@@ -19,22 +20,6 @@ def save():
 
 def log(*a):
     print(*a, flush=True)
-
-
-def d2d_bandwidth():
-    """Device-to-device copy of 4 GiB, bytes read + written per second (the decode roofline's
-    denominator), best of 20."""
-    n = 1 << 31
-    x = torch.empty(n, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    best = 1e9
-    for _ in range(20):
-        torch.cuda.synchronize(); t = time.perf_counter()
-        y.copy_(x)
-        torch.cuda.synchronize(); best = min(best, time.perf_counter() - t)
-    return 2 * x.numel() * 2 / best
 
 
 def hf_logits(path, ids, dtype, start):

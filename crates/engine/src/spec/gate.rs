@@ -143,17 +143,19 @@ impl DraftGate {
         };
         (self.mode, self.phase, self.left, self.winner) = (best, Phase::Exploit, self.exploit, Some(best));
     }
-
-    /// The mode of the current step.
-    pub fn mode(&self) -> DraftMode {
-        self.mode
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    impl DraftGate {
+        /// The mode of the current step (the engine reads it from `next`).
+        fn mode(&self) -> DraftMode {
+            self.mode
+        }
+    }
 
     /// Steps of `mode_rates` tokens per second (one token per step) and the modes chosen.
     fn run(gate: &mut DraftGate, steps: usize, rate: impl Fn(DraftMode) -> f64) -> Vec<DraftMode> {

@@ -10,7 +10,6 @@ mod common;
 
 use common::*;
 use ferrolm_core::SamplingParams;
-use ferrolm_engine::TokenSampler;
 use ferrolm_models::{CausalLm, SeqInput};
 use ferrolm_sample::{Sampler, SamplerConfig};
 use std::time::Instant;

@@ -74,6 +74,15 @@ pub struct Args {
     /// appending them unsampled (jump-forward; the output is the same under greedy decoding).
     #[arg(long)]
     no_jump_forward: bool,
+    /// Fill: sample the tool-call scaffold, tool names and punctuation up to a call's
+    /// arguments one token at a time instead of appending them as spans verified in one
+    /// forward (the output is the same; docs/fill.md).
+    #[arg(long)]
+    no_fill: bool,
+    /// Fill also appends continuations copied from earlier in the conversation (prompt
+    /// lookup, verified; gated per sequence), when no speculative decoding runs.
+    #[arg(long, conflicts_with = "no_fill")]
+    fill_copies: bool,
     /// Log lines as text or as JSON objects, one per line.
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,
@@ -394,6 +403,8 @@ pub fn run(args: Args) -> CliResult<()> {
         access,
         log_prompts: args.log_prompts,
         jump_forward: !args.no_jump_forward,
+        fill: !args.no_fill,
+        fill_copies: args.fill_copies,
         ..Default::default()
     };
     let mut engine_config = args.engine_config(&bundle.path)?;

@@ -94,10 +94,12 @@ impl Fill {
 
 /// The determined continuation of a tool call being written: the longest run of `generated`'s
 /// tail found inside some calls' tokens with more after it, then what all those places share
-/// after it. The run must be armed: it holds a token with a letter, and is two tokens long
-/// unless it starts at a call's opening (Qwen's `<tool_call>` alone opens a call; a model that
-/// writes the call without the opening tag, `{"name`, is inside the scaffold too). Empty when
-/// the output is not inside a call's scaffold, or where the calls part (the model picks a name).
+/// after it. The run must be armed: it holds a token with a letter, and starts at the call's
+/// opening (Qwen's `<tool_call>`) or at markup before a word (a model that writes the call
+/// without the opening tag, `{"name`, is inside the scaffold too; a pretty-printed
+/// `{\n  "name": "f",` matches the compact scaffold only from the word `name` on, and
+/// continues differently after the comma). Empty when the output is not inside a call's
+/// scaffold, or where the calls part (the model picks a name).
 pub fn asserted_span(calls: &[ToolCallSpan], longest: usize, generated: &[TokenId]) -> Vec<TokenId> {
     let from = generated.len().saturating_sub(longest.saturating_sub(1));
     for start in from..generated.len() {
@@ -107,8 +109,8 @@ pub fn asserted_span(calls: &[ToolCallSpan], longest: usize, generated: &[TokenI
             (0..c.tokens.len().saturating_sub(tail.len())).filter(|&o| &c.tokens[o..o + tail.len()] == tail).map(move |o| (c, o))
         });
         let Some((c, o)) = places.next() else { continue };
-        let armed = |c: &ToolCallSpan, o: usize| (o == 0 || tail.len() >= 2) && c.letters[o..o + tail.len()].contains(&true);
-        if !armed(c, o) {
+        let armed = (o == 0 || !c.letters[o]) && c.letters[o..o + tail.len()].contains(&true);
+        if !armed {
             return Vec::new();
         }
         let mut shared = &c.tokens[o + tail.len()..];
@@ -222,5 +224,13 @@ mod tests {
         assert_eq!(span(&[9, 110]), Vec::<u32>::new());
         assert_eq!(span(&[3, 110]), vec![4]);
         assert_eq!(span(&[3, 110, 4, 112]), vec![5]);
+        // Pretty-printed (`{\n  "name` is not the scaffold's `{"name`): the longest run starts
+        // at a word, so nothing is appended.
+        assert_eq!(span(&[7, 110, 4]), Vec::<u32>::new());
+        assert_eq!(span(&[7, 110, 4, 112]), Vec::<u32>::new());
+        // The opening holds letters (`<tool_call>`): a bare `{"name` still enters.
+        let calls = [call(&[120, 2, 3, 110, 4, 111, 5]), call(&[120, 2, 3, 110, 4, 112, 5])];
+        assert_eq!(asserted_span(&calls, 7, &[3, 110]), vec![4]);
+        assert_eq!(asserted_span(&calls, 7, &[120]), vec![2, 3, 110, 4]);
     }
 }

@@ -77,6 +77,7 @@ impl UsageSum {
         self.total.completion_tokens += usage.completion_tokens;
         self.total.drafted += usage.drafted;
         self.total.accepted += usage.accepted;
+        self.total.fill.add(&usage.fill);
     }
 }
 

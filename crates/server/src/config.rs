@@ -40,6 +40,13 @@ pub struct ServerConfig {
     /// Structured output appends the tokens a grammar forces without sampling them
     /// (`--no-jump-forward` turns that off; a request's `jump_forward` overrides).
     pub jump_forward: bool,
+    /// Fill (docs/fill.md): the tool-call scaffold, tool names and punctuation a request
+    /// determines appended as spans and verified (`--no-fill` turns that off; a request's
+    /// `fill` overrides).
+    pub fill: bool,
+    /// Fill's verify spans (`--fill-copies`): continuations copied from earlier in the
+    /// conversation, when speculative decoding is not running.
+    pub fill_copies: bool,
 }
 
 impl Default for ServerConfig {
@@ -58,6 +65,8 @@ impl Default for ServerConfig {
             access: AccessConfig::default(),
             log_prompts: false,
             jump_forward: true,
+            fill: true,
+            fill_copies: false,
         }
     }
 }

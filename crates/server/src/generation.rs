@@ -157,6 +157,7 @@ impl Generation {
                     cached_tokens: stats.cached_tokens,
                     drafted: stats.drafted_tokens,
                     accepted: stats.accepted_tokens,
+                    fill: stats.fill,
                 };
                 self.state.metrics.speculation(stats.drafted_tokens, stats.accepted_tokens);
                 self.end(End::Finished { reason, usage, stop: self.stop_hit.clone() });

@@ -43,7 +43,7 @@ macro_rules! sampling {
           "speculative", "adapter", "x_ferrolm_fault",
           // Structured output (crate::structured).
           "response_format", "json_schema", "guided_json", "guided_regex", "guided_grammar", "guided_choice",
-          "structured_outputs", "jump_forward", $($extra),*]
+          "structured_outputs", "jump_forward", "fill", $($extra),*]
     };
 }
 

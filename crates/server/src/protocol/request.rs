@@ -37,6 +37,9 @@ pub struct CommonParams {
     /// ferrolm's `jump_forward` (default `--no-jump-forward`'s opposite): tokens a constraint
     /// forces are appended without sampling.
     pub jump_forward: bool,
+    /// ferrolm's `fill` (default `--no-fill`'s opposite): spans the request determines (a tool
+    /// call's scaffold, names, punctuation) appended and verified in one forward.
+    pub fill: bool,
 }
 
 /// Fields that carry the prompt, never read by the sampling parser.
@@ -93,6 +96,7 @@ pub fn parse_common(body: &Map<String, Value>, cfg: &ServerConfig, vocab_size: u
         speculative: flag(body, "speculative", true)?,
         constraint: crate::structured::from_body(body)?,
         jump_forward: flag(body, "jump_forward", cfg.jump_forward)?,
+        fill: flag(body, "fill", cfg.fill)?,
     })
 }
 

@@ -22,6 +22,8 @@ pub struct Usage {
     /// Speculative decoding: draft tokens verified and kept (reported when any were drafted).
     pub drafted: usize,
     pub accepted: usize,
+    /// Fill: spans appended, tokens kept and rows wasted, by policy (reported when any span was).
+    pub fill: ferrolm_core::FillStats,
 }
 
 impl Usage {
@@ -34,6 +36,10 @@ impl Usage {
         });
         if self.drafted > 0 {
             u["speculation"] = json!({"drafted": self.drafted, "accepted": self.accepted});
+        }
+        if !self.fill.is_empty() {
+            let counts = |c: &ferrolm_core::SpanCounts| json!({"spans": c.spans, "injected": c.injected, "wasted": c.wasted});
+            u["fill"] = json!({"assert": counts(&self.fill.assert), "verify": counts(&self.fill.verify)});
         }
         u
     }

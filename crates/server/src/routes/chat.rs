@@ -53,7 +53,9 @@ pub(crate) async fn prepare_parsed(
     let trim_leading_space = chat.prefill.is_none();
     let cap = chat.cap_max_tokens;
     let mut requested = constraint_of(state, &common, &chat)?;
-    let prompt = prompt::chat(state, chat).await?;
+    // Fill's spans are a free-running tool call's: a constrained answer has jump-forward.
+    let fill = common.fill && requested.is_none();
+    let prompt = prompt::chat_with_fill(state, chat, fill).await?;
     if let Some(r) = requested.as_mut().filter(|_| prompt.opens_reasoning) {
         // The prompt opened the model's reasoning: it thinks freely up to its end tag, and the
         // constraint binds the answer after it.
@@ -78,7 +80,7 @@ pub(crate) async fn prepare_parsed(
         tools: (!tool_specs.is_empty()).then_some(tool_specs),
         trim_leading_space,
     };
-    Ok(Prepared { common, prompt: prompt.ids, max_tokens, pipeline, constraint })
+    Ok(Prepared { common, prompt: prompt.ids, max_tokens, pipeline, constraint, fill: prompt.fill })
 }
 
 /// The request's constraint: its structured-output field, or the forced tool call of

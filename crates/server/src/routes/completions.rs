@@ -37,12 +37,15 @@ async fn run(state: &SharedState, body: Bytes, log: &RequestLog) -> ApiResult<Re
         None => None,
     };
     let (budget, context) = (state.config.max_tokens, state.context_length());
+    // Fill: a text prompt has no tools, so only copies (`--fill-copies`).
+    let copies = common.fill && state.config.fill_copies && constraint.is_none();
+    let fill = copies.then(|| ferrolm_core::FillPlan { tool_calls: Vec::new(), copies: true });
     let mut runs = Vec::with_capacity(prompts.len());
     let mut prompt_chars = Vec::with_capacity(prompts.len());
     for p in prompts {
         let max_tokens = token_budget(p.ids.len(), common.max_tokens, budget, context, "prompt")?;
         let pipeline = PipelineConfig { stops: common.stop.clone(), ..Default::default() };
-        runs.push(Prepared { common: common.clone(), prompt: p.ids, max_tokens, pipeline, constraint: constraint.clone() });
+        runs.push(Prepared { common: common.clone(), prompt: p.ids, max_tokens, pipeline, constraint: constraint.clone(), fill: fill.clone() });
         prompt_chars.push(p.chars);
     }
     let legacy_chars = legacy.then_some(prompt_chars);

@@ -175,6 +175,7 @@ fn launch_group(
             prefill_chunk: state.config.prefill_chunk,
             speculative: common.speculative,
             adapter: adapter.clone(),
+            fill: run.fill.clone(),
             ..Default::default()
         };
         let constraint = run.constraint.clone().map(|c| crate::structured::for_engine(c, common.jump_forward));
@@ -240,6 +241,8 @@ pub(crate) struct Prepared {
     pub pipeline: PipelineConfig,
     /// Structured output: the compiled constraint every choice starts from.
     pub constraint: Option<ferrolm_grammar::Constraint>,
+    /// Fill (docs/fill.md): what every choice may append as spans; None: off.
+    pub fill: Option<ferrolm_core::FillPlan>,
 }
 
 /// A whole generation: all its output, why it ended, its usage and the stop string that ended it.

@@ -10,6 +10,8 @@ use crate::errors::{ApiError, ApiResult};
 use crate::protocol::chat::{convert_chat, ChatRequest};
 use crate::protocol::tools;
 use crate::state::SharedState;
+use ferrolm_core::FillPlan;
+use ferrolm_engine::fill;
 use ferrolm_text::{EncodeError, ReasoningSplitter, RenderOptions, Tokenizer};
 use serde_json::{Map, Value};
 use std::borrow::Cow;
@@ -19,19 +21,48 @@ pub struct ChatPrompt {
     pub ids: Vec<u32>,
     /// Whether the rendered prompt leaves the model inside an open `<think>`.
     pub opens_reasoning: bool,
+    /// Fill's plan (docs/fill.md), when asked for and the chat has something to fill.
+    pub fill: Option<FillPlan>,
 }
 
 pub async fn chat(state: &SharedState, chat: ChatRequest) -> ApiResult<ChatPrompt> {
-    let state = state.clone();
-    blocking(move || render_chat(&state, chat)).await
+    chat_with_fill(state, chat, false).await
 }
 
-fn render_chat(state: &SharedState, chat: ChatRequest) -> ApiResult<ChatPrompt> {
+/// [`chat`], with fill's plan when `fill`: each offered tool's call scaffold, from the
+/// conversation rendered with a call to it (`ferrolm_engine::fill`).
+pub async fn chat_with_fill(state: &SharedState, chat: ChatRequest, fill: bool) -> ApiResult<ChatPrompt> {
+    let state = state.clone();
+    blocking(move || render_chat(&state, chat, fill)).await
+}
+
+fn render_chat(state: &SharedState, chat: ChatRequest, fill: bool) -> ApiResult<ChatPrompt> {
     let bundle = state.bundle();
     let tk = &bundle.tokenizer;
-    let mut messages: Vec<Value> = chat.messages.into_iter().map(|m| protect(tk, m)).collect();
-    let chat_tools: Vec<Value> = chat.tools.into_iter().map(|t| protect(tk, t)).collect();
-    let template_kwargs = protect_map(tk, chat.template_kwargs);
+    let text = render_text(state, &chat, &chat.messages, true)?;
+    let add_special = bundle.template.is_none();
+    let text = match &chat.prefill {
+        Some(prefill) => text + &tk.protect(prefill),
+        None => text,
+    };
+    let context = state.context_length();
+    let ids = tk.encode_prompt(&text, add_special, context.saturating_sub(1)).map_err(|e| too_long(e, context, "messages"))?;
+    let opens_reasoning =
+        state.think_tags.as_ref().is_some_and(|(s, e)| ReasoningSplitter::prompt_opens_reasoning(&text, s, e));
+    let fill = fill.then(|| fill_plan(state, &chat, &ids)).flatten();
+    Ok(ChatPrompt { ids, opens_reasoning, fill })
+}
+
+/// `messages` of `chat` as the model's template (or the plain transcript without one) writes
+/// them, with or without the generation prompt. Every client string is protected; for a
+/// template without tools, the tools are described in the system message and tool history is
+/// written inline.
+fn render_text(state: &SharedState, chat: &ChatRequest, messages: &[Value], generation: bool) -> ApiResult<String> {
+    let bundle = state.bundle();
+    let tk = &bundle.tokenizer;
+    let mut messages: Vec<Value> = messages.iter().map(|m| protect(tk, m.clone())).collect();
+    let chat_tools: Vec<Value> = chat.tools.iter().map(|t| protect(tk, t.clone())).collect();
+    let template_kwargs = protect_map(tk, chat.template_kwargs.clone());
     let mut tools = (!chat_tools.is_empty()).then(|| Value::Array(chat_tools.clone()));
     if !state.template_has_tools {
         if !chat_tools.is_empty() {
@@ -40,25 +71,45 @@ fn render_chat(state: &SharedState, chat: ChatRequest) -> ApiResult<ChatPrompt> 
         }
         messages = tools::inline_tool_history(messages);
     }
-    let (text, add_special) = match bundle.template {
+    match bundle.template {
         Some(_) => {
-            let opts = RenderOptions { add_generation_prompt: true, tools, extra: template_kwargs };
-            let text = bundle
+            let opts = RenderOptions { add_generation_prompt: generation, tools, extra: template_kwargs };
+            bundle
                 .render_chat(&Value::Array(messages), &opts)
-                .map_err(|e| ApiError::invalid(format!("prompt build failed: {e}"), Some("messages")))?;
-            (text, false)
+                .map_err(|e| ApiError::invalid(format!("prompt build failed: {e}"), Some("messages")))
         }
-        None => (convert_chat(&messages), true),
+        None => Ok(convert_chat(&messages)),
+    }
+}
+
+/// Tools beyond this many are not probed for fill (each costs two renderings of the chat).
+const MAX_FILL_TOOLS: usize = 32;
+
+/// Fill's plan for a chat whose prompt is `prompt`: assert spans for its tools (a chat with a
+/// template, no prefilled answer, at most [`MAX_FILL_TOOLS`] tools), and copies when the server
+/// runs them (`--fill-copies`). None when there is nothing to fill.
+fn fill_plan(state: &SharedState, chat: &ChatRequest, prompt: &[u32]) -> Option<FillPlan> {
+    let bundle = state.bundle();
+    let probe = !chat.tools.is_empty() && chat.tools.len() <= MAX_FILL_TOOLS && bundle.template.is_some() && chat.prefill.is_none();
+    let tool_calls = match probe {
+        true => {
+            let limit = prompt.len() + 4 * fill::MAX_SPAN;
+            let render = |messages: Vec<Value>| -> Result<Vec<u32>, String> {
+                let text = render_text(state, chat, &messages, false).map_err(|e| e.message)?;
+                bundle.tokenizer.encode_prompt(&text, false, limit).map_err(|e| e.to_string())
+            };
+            match fill::probe_tools(&chat.messages, &chat.tools, render) {
+                Ok(probes) => fill::tool_call_spans(prompt, &probes, &bundle.tokenizer),
+                Err(e) => {
+                    tracing::debug!("fill: the tool-call probes did not render ({e}); no assert spans");
+                    Vec::new()
+                }
+            }
+        }
+        false => Vec::new(),
     };
-    let text = match chat.prefill {
-        Some(prefill) => text + &tk.protect(&prefill),
-        None => text,
-    };
-    let context = state.context_length();
-    let ids = tk.encode_prompt(&text, add_special, context.saturating_sub(1)).map_err(|e| too_long(e, context, "messages"))?;
-    let opens_reasoning =
-        state.think_tags.as_ref().is_some_and(|(s, e)| ReasoningSplitter::prompt_opens_reasoning(&text, s, e));
-    Ok(ChatPrompt { ids, opens_reasoning })
+    let copies = state.config.fill_copies;
+    (!tool_calls.is_empty() || copies).then_some(FillPlan { tool_calls, copies })
 }
 
 /// One prompt of `/v1/completions`: its ids, and its length in characters (where the legacy

@@ -1,0 +1,80 @@
+"""Fill (docs/fill.md): the tool-call scaffold, tool names and punctuation a request determines
+are appended as spans and verified, so a tool-call turn's answer is the same with fill on and
+off; `usage.fill` says what was appended and wasted; `"fill": false` opts out; a wrong type is a
+400. Recorded tool-call turns (tests/fixtures/fill/tool_turns.json) on Qwen2.5-Coder-0.5B, and
+SmolLM2 (a template without tools: the server's own <tool_call> description)."""
+import json
+
+import httpx
+import pytest
+
+from conftest import MODELS, ROOT, Server
+from test_tools import ASK, TOOLS
+
+QWEN = MODELS / "qwen2.5-coder-0.5b-instruct-Q4_K_M.gguf"
+FIXTURE = json.loads((ROOT / "tests/fixtures/fill/tool_turns.json").read_text())
+TURNS = {t["name"]: t["messages"] for t in FIXTURE["turns"]}
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    if not QWEN.exists():
+        pytest.skip(f"{QWEN} not present (scripts/get_model.py qwen2.5-coder-0.5b)")
+    s = Server("--max-tokens", "64", model=QWEN)
+    yield s
+    s.stop()
+
+
+def ask(server, messages, tools, **extra):
+    body = {"model": "m", "messages": messages, "max_tokens": 48, "temperature": 0, **extra}
+    if tools:
+        body["tools"] = tools
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def answer(r):
+    m = r["choices"][0]["message"]
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []]
+    return m.get("content"), calls, r["choices"][0]["finish_reason"], r["usage"]["completion_tokens"]
+
+
+@pytest.mark.parametrize("turn", ["weather", "time", "after_result"])
+def test_recorded_turns_are_the_same_with_fill_on_and_off(qwen, turn):
+    on = ask(qwen, TURNS[turn], FIXTURE["tools"])
+    off = ask(qwen, TURNS[turn], FIXTURE["tools"], fill=False)
+    assert answer(on) == answer(off)
+    content, calls, _, _ = answer(on)
+    # A call, or calls cut off by max_tokens (after_result repeats its call).
+    assert calls or '{"name": "read_file"' in content, content
+    fill = on["usage"]["fill"]
+    assert fill["assert"]["injected"] >= 5 and fill["assert"]["wasted"] <= fill["assert"]["injected"], fill
+    assert fill["verify"] == {"spans": 0, "injected": 0, "wasted": 0}
+    assert "fill" not in off["usage"]
+
+
+def test_seeded_sampling_is_the_same_with_fill(qwen):
+    extra = {"temperature": 0.8, "seed": 11}
+    on = ask(qwen, TURNS["weather"], FIXTURE["tools"], **extra)
+    off = ask(qwen, TURNS["weather"], FIXTURE["tools"], fill=False, **extra)
+    assert answer(on) == answer(off)
+
+
+def test_a_template_without_tools(server):
+    on = ask(server, ASK, TOOLS, max_tokens=60)
+    off = ask(server, ASK, TOOLS, max_tokens=60, fill=False)
+    assert answer(on) == answer(off)
+    assert answer(on)[1] == [("get_weather", '{"city": "Paris"}')]
+    assert on["usage"]["fill"]["assert"]["injected"] > 0, on["usage"]
+
+
+def test_no_tools_nothing_to_fill(server):
+    r = ask(server, [{"role": "user", "content": "Hi"}], None, max_tokens=8)
+    assert "fill" not in r["usage"]
+
+
+def test_a_wrong_type_is_a_400(server):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, "tools": TOOLS, "fill": "yes"})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "fill"

@@ -31,6 +31,7 @@ ROWS = [
     ("SmolLM2-135M Q8_0", "SmolLM2-135M-Instruct.Q8_0.gguf"),
     ("SmolLM2-135M F16", "SmolLM2-135M-Instruct.F16.gguf"),
     ("Gemma 3 270M Q4_K_M", "gemma-3-270m-Q4_K_M.gguf"),
+    ("Qwen2.5-Coder-1.5B Q4_K_M (default)", "qwen2.5-coder-1.5b-instruct.gguf"),
 ]
 TEXT = (ROOT / "scripts/fixtures/prompts.py").read_text()
 
@@ -106,11 +107,16 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--only", help="run only the rows whose label contains this (prints, does not write results)")
+    ap.add_argument("--rows", help="run only the rows whose label contains one of these comma-separated words, "
+                    "writing bench/results/cpu_vs_llamacpp-NAME.{md,json} (NAME from --name)")
+    ap.add_argument("--name", default="subset")
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     rows = []
     for label, file in ROWS:
         if args.only and args.only not in label:
+            continue
+        if args.rows and not any(w in label for w in args.rows.split(",")):
             continue
         model = MODELS / file
         if not model.exists():
@@ -148,8 +154,9 @@ def write(rows: list, args, commit: str, save: bool) -> None:
     if save:
         out = ROOT / "bench/results"
         out.mkdir(parents=True, exist_ok=True)
-        (out / "cpu_vs_llamacpp.md").write_text(head + "\n".join(lines) + "\n")
-        (out / "cpu_vs_llamacpp.json").write_text(json.dumps({"commit": commit, "date": str(date.today()), "rows": rows}, indent=1))
+        stem = f"cpu_vs_llamacpp-{args.name}" if args.rows else "cpu_vs_llamacpp"
+        (out / f"{stem}.md").write_text(head + "\n".join(lines) + "\n")
+        (out / f"{stem}.json").write_text(json.dumps({"commit": commit, "date": str(date.today()), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

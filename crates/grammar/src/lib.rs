@@ -1,5 +1,5 @@
 //! Structured output: constraints on what a model may generate (JSON objects, JSON schemas,
-//! regexes, Lark grammars, choices, tool calls), enforced token by token with
+//! regexes, Lark and GBNF grammars, choices, tool calls), enforced token by token with
 //! [llguidance](https://github.com/guidance-ai/llguidance) over the model's own tokenizer.
 //! Knows tokenizers, not models: the engine owns a [`Constraint`] per sequence and asks it for
 //! each row's mask; the server turns request fields into a [`ConstraintSpec`] and compile
@@ -20,12 +20,14 @@
 mod constraint;
 mod env;
 mod error;
+mod gbnf;
 mod grammars;
 mod spec;
 mod tools;
 
 pub use constraint::{Constraint, Status};
 pub use error::GrammarError;
+pub use gbnf::gbnf_to_lark;
 /// The tool description tool calls are constrained by (the same type the output parser uses).
 pub use ferrolm_text::ToolSpec;
 pub use grammars::Grammars;

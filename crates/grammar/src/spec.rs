@@ -21,6 +21,8 @@ pub enum ConstraintSpec {
     Regex(String),
     /// A grammar in llguidance's Lark dialect (may inline JSON schemas with `%json {…}`).
     Lark(String),
+    /// A grammar in llama.cpp's GBNF (llama-server's `grammar`), translated to Lark.
+    Gbnf(String),
     /// Exactly one of these strings (vLLM's `guided_choice`).
     Choice(Vec<String>),
     /// Tool calls in the model's own format, arguments valid under the tools' schemas.
@@ -79,7 +81,7 @@ impl ConstraintSpec {
         match self {
             ConstraintSpec::JsonObject | ConstraintSpec::JsonSchema(_) => "json_schema",
             ConstraintSpec::Regex(_) => "regex",
-            ConstraintSpec::Lark(_) => "grammar",
+            ConstraintSpec::Lark(_) | ConstraintSpec::Gbnf(_) => "grammar",
             ConstraintSpec::Choice(_) => "choice",
             ConstraintSpec::ToolCalls(_) => "tools",
             ConstraintSpec::AfterReasoning { answer, .. } => answer.field(),
@@ -101,6 +103,7 @@ impl ConstraintSpec {
                 }
                 TopLevelGrammar::from_lark(src.clone())
             }
+            ConstraintSpec::Gbnf(src) => TopLevelGrammar::from_lark(crate::gbnf_to_lark(src)?),
             ConstraintSpec::Choice(options) => TopLevelGrammar::from_lark(choice_lark(options)?),
             ConstraintSpec::ToolCalls(spec) => TopLevelGrammar::from_lark(spec.to_lark(tokenizer, "start")?),
             ConstraintSpec::AfterReasoning { end, answer } => {
@@ -127,7 +130,7 @@ fn after_reasoning_lark(end: &str, answer: &ConstraintSpec, tokenizer: &ferrolm_
         ConstraintSpec::Choice(options) => choice_rule("answer", options)?,
         ConstraintSpec::ToolCalls(spec) => spec.to_lark(tokenizer, "answer")?,
         ConstraintSpec::Regex(_) => return Err(refuse("a regex")),
-        ConstraintSpec::Lark(_) => return Err(refuse("a grammar")),
+        ConstraintSpec::Lark(_) | ConstraintSpec::Gbnf(_) => return Err(refuse("a grammar")),
         ConstraintSpec::AfterReasoning { .. } => return Err(refuse("a nested reasoning constraint")),
     };
     let end = lark_literal(end);

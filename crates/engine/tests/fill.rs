@@ -132,6 +132,9 @@ fn tool_call_turns_are_token_identical_with_fill_on_and_off() {
     }
     let b = bundle::load(Some(&path), "cpu").unwrap();
     let turns = turns(&b);
+    for call in &turns[0].plan.tool_calls {
+        eprintln!("assert span: {:?}", b.tokenizer.decode(&call.tokens, false));
+    }
     // Greedy with logprobs: tokens and logprob bits.
     let greedy = SamplingParams { logprobs: Some(2), ..Default::default() };
     let (plain, plain_steps, plain_s) = run(&b, &turns, &greedy, None, false);

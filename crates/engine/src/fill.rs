@@ -126,11 +126,17 @@ pub fn asserted_span(calls: &[ToolCallSpan], longest: usize, generated: &[TokenI
 /// Argument objects a probe call is rendered with: two whose first keys differ, so that what
 /// the renderings share ends where a real call's arguments begin (for a tool whose arguments
 /// are empty, `{}` against one key). Keys are letters, as real keys are, so the token boundary
-/// at the opening brace is the one real arguments give.
-pub fn probe_arguments(takes_arguments: bool) -> [serde_json::Value; 2] {
-    match takes_arguments {
-        true => [serde_json::json!({"a": 1}), serde_json::json!({"b": "x"})],
-        false => [serde_json::json!({}), serde_json::json!({"a": 1})],
+/// at the opening brace is the one real arguments give. A tool with one required key (`sole`)
+/// has it first in both, with values that differ: the shared part then runs through the key
+/// (mlx-bun asserts it too; a model that writes an optional key first wastes those rows).
+pub fn probe_arguments(parameters: &serde_json::Value) -> [serde_json::Value; 2] {
+    use serde_json::json;
+    let takes_arguments = parameters["properties"].as_object().is_some_and(|p| !p.is_empty());
+    let required: Vec<&str> = parameters["required"].as_array().map_or(Vec::new(), |r| r.iter().filter_map(|k| k.as_str()).collect());
+    match (takes_arguments, required.as_slice()) {
+        (true, [sole]) => [json!({ *sole: 1 }), json!({ *sole: "x" })],
+        (true, _) => [json!({"a": 1}), json!({"b": "x"})],
+        (false, _) => [json!({}), json!({"a": 1})],
     }
 }
 
@@ -148,9 +154,8 @@ pub fn probe_tools<E>(
     for tool in tools {
         let f = &tool["function"];
         let Some(name) = f["name"].as_str() else { continue };
-        let takes_arguments = f["parameters"]["properties"].as_object().is_some_and(|p| !p.is_empty());
         let mut variants = Vec::with_capacity(2);
-        for arguments in probe_arguments(takes_arguments) {
+        for arguments in probe_arguments(&f["parameters"]) {
             let call = serde_json::json!({"id": "call_0", "type": "function", "function": {"name": name, "arguments": arguments}});
             let mut conversation = messages.to_vec();
             conversation.push(serde_json::json!({"role": "assistant", "content": "", "tool_calls": [call]}));

@@ -143,7 +143,6 @@ def test_text_logs_have_no_colour_codes_and_no_prompt(server, http):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("grammar", 'root ::= "x"'),
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("functions", [{"name": "f", "parameters": {}}]),
     ("web_search_options", {}),

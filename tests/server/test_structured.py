@@ -1,6 +1,6 @@
 """Structured output through the server (issue 33): response_format (JSON mode, JSON schema,
 the openai SDK's `parse` with a Pydantic model), vLLM's guided_* and structured_outputs,
-llama-server's json_schema, Anthropic's output_config.format, the Responses API's text.format,
+llama-server's json_schema and GBNF grammar, Anthropic's output_config.format, the Responses API's text.format,
 forced tool calls; the outputs of the real (tiny) model parse and match what was asked, greedy
 and sampled, with `n` choices, streamed; jump-forward on and off give the same greedy text;
 bad constraints are 400s naming the field."""
@@ -105,6 +105,45 @@ def test_guided_fields(client, extra, check):
     assert check(c.message.content), c.message.content
 
 
+# llama.cpp's grammars/list.gbnf, verbatim.
+LIST_GBNF = r"""root ::= item+
+
+# Excludes various line break characters
+item ::= "- " [^\r\n\x0b\x0c\x85\u2028\u2029]+ "\n"
+"""
+LIST_ITEM = "- [^\r\n\x0b\x0c\x85\u2028\u2029]+\n"
+
+
+def test_gbnf_grammar_chat(client):
+    """llama-server's `grammar` (GBNF): a yes/no grammar, and llama.cpp's list.gbnf (the
+    output may run to max_tokens: then it is a prefix of a list)."""
+    r = chat(client, extra_body={"grammar": 'root ::= ("yes" | "no") "."'})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content in ("yes.", "no."), r.choices[0].message.content
+    r = chat(client, messages=[{"role": "user", "content": "List three fruits."}], max_tokens=40,
+             extra_body={"grammar": LIST_GBNF})
+    c = r.choices[0]
+    if c.finish_reason == "stop":
+        assert re.fullmatch(f"({LIST_ITEM})+", c.message.content), c.message.content
+    else:
+        assert c.finish_reason == "length"
+        assert re.fullmatch(f"({LIST_ITEM})*(-|- {LIST_ITEM[2:-2]}*)?", c.message.content), c.message.content
+
+
+def test_gbnf_recursive_grammar_completions(client):
+    """A recursive GBNF grammar (one-character lexemes under the hood) on /v1/completions:
+    balanced parentheses around one x, or a prefix of that when max_tokens cuts it."""
+    r = client.completions.create(model="m", prompt="Nested parentheses: ", max_tokens=24,
+                                  extra_body={"grammar": 'root ::= "(" root ")" | "x"'})
+    c = r.choices[0]
+    m = re.fullmatch(r"(\(*)(x?)(\)*)", c.text)
+    assert m, c.text
+    if c.finish_reason == "stop":
+        assert m.group(2) == "x" and len(m.group(1)) == len(m.group(3)), c.text
+    else:
+        assert len(m.group(3)) <= len(m.group(1)), c.text
+
+
 def test_completions_endpoint(client):
     r = client.completions.create(model="m", prompt="My phone number is ", max_tokens=20,
                                   extra_body={"guided_regex": r"\+?[0-9 ]{7,14}"})
@@ -180,7 +219,10 @@ def test_responses_text_format(client):
     ({"guided_grammar": "start: item"}, "guided_grammar", "item"),
     ({"guided_choice": []}, "guided_choice", "choice"),
     ({"guided_regex": "a", "guided_json": {"type": "object"}}, "guided_regex", "only one of"),
-    ({"grammar": 'root ::= "x"'}, "grammar", "GBNF"),
+    ({"grammar": 'root ::= "a" [b-'}, "grammar", "GBNF line 1, column 14: unterminated character class"),
+    ({"grammar": 'root ::= "a" item\n'}, "grammar", "undefined rule 'item'"),
+    ({"grammar": 'root ::= root "a" | "b"'}, "grammar", "left-recursive"),
+    ({"grammar": 'root ::= "a"', "guided_regex": "a"}, "grammar", "only one of"),
     ({"response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": "required"}, "tool_choice", "cannot be combined"),
 ])

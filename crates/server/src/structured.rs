@@ -8,6 +8,7 @@
 //!   `schema`), llama-server's top-level `json_schema`;
 //! - vLLM's `guided_json`, `guided_regex`, `guided_grammar` (llguidance's Lark), `guided_choice`
 //!   and their newer form `structured_outputs: {json | regex | grammar | choice}`;
+//! - llama-server's `grammar` (llama.cpp's GBNF, translated to Lark by `ferrolm-grammar`);
 //! - `tool_choice` `required` or a named function (chat): the tools' own call format, arguments
 //!   valid under each tool's schema (see `for_tools`).
 
@@ -24,7 +25,7 @@ const GUIDED: &[(&str, &str)] =
 /// Every field that asks for a constraint (so that two of them are refused, not merged).
 pub const FIELDS: &[&str] = &[
     "response_format", "json_schema", "guided_json", "guided_regex", "guided_grammar", "guided_choice",
-    "structured_outputs",
+    "structured_outputs", "grammar",
 ];
 
 /// What a request constrains its output to, and through which field (the 400's `param`).
@@ -51,6 +52,7 @@ pub fn from_body(body: &Map<String, Value>) -> ApiResult<Option<Requested>> {
         "response_format" => ConstraintSpec::from_response_format(value).map_err(|e| invalid(field, e))?,
         "json_schema" => Some(json_schema(field, value)?),
         "structured_outputs" => Some(structured_outputs(value)?),
+        "grammar" => Some(gbnf(value)?),
         _ => {
             let kind = GUIDED.iter().find(|(f, _)| *f == field).map(|(_, k)| *k).unwrap_or("json");
             Some(guided(field, kind, value)?)
@@ -59,9 +61,19 @@ pub fn from_body(body: &Map<String, Value>) -> ApiResult<Option<Requested>> {
     Ok(spec.map(|spec| Requested { spec, field }))
 }
 
-/// Values that ask for no constraint: null, `response_format: {"type": "text"}`.
+/// Values that ask for no constraint: null, `response_format: {"type": "text"}`, llama-server's
+/// default `grammar: ""`.
 fn asks_nothing(field: &str, v: &Value) -> bool {
-    v.is_null() || (field == "response_format" && v.get("type").and_then(Value::as_str) == Some("text"))
+    v.is_null()
+        || (field == "response_format" && v.get("type").and_then(Value::as_str) == Some("text"))
+        || (field == "grammar" && v.as_str() == Some(""))
+}
+
+/// llama-server's `grammar`: GBNF text (translated, and refused with the line and column when
+/// it is not valid GBNF, when compiled).
+fn gbnf(v: &Value) -> ApiResult<ConstraintSpec> {
+    let s = v.as_str().ok_or_else(|| ApiError::invalid("grammar must be a string (a GBNF grammar)", Some("grammar")))?;
+    Ok(ConstraintSpec::Gbnf(s.to_string()))
 }
 
 /// vLLM's `structured_outputs`: an object with exactly one of `json`, `regex`, `grammar`,
@@ -172,6 +184,8 @@ mod tests {
         assert_eq!(spec(json!({"guided_grammar": "start: \"x\""})).unwrap(), Some(ConstraintSpec::Lark("start: \"x\"".into())));
         let choice = Some(ConstraintSpec::Choice(vec!["a".into(), "b".into()]));
         assert_eq!(spec(json!({"guided_choice": ["a", "b"]})).unwrap(), choice);
+        assert_eq!(spec(json!({"grammar": "root ::= \"x\""})).unwrap(), Some(ConstraintSpec::Gbnf("root ::= \"x\"".into())));
+        assert_eq!(spec(json!({"grammar": ""})).unwrap(), None);
         assert_eq!(spec(json!({"structured_outputs": {"choice": ["a", "b"]}})).unwrap(), choice);
     }
 
@@ -186,6 +200,8 @@ mod tests {
             (json!({"structured_outputs": {"json": {}, "regex": "a"}}), "structured_outputs"),
             (json!({"structured_outputs": {"structural_tag": {}}}), "structured_outputs"),
             (json!({"guided_regex": "a", "response_format": {"type": "json_object"}}), "guided_regex"),
+            (json!({"grammar": 3}), "grammar"),
+            (json!({"grammar": "root ::= \"x\"", "guided_grammar": "start: \"x\""}), "grammar"),
         ];
         for (body, field) in cases {
             let e = spec(body.clone()).unwrap_err();

@@ -43,7 +43,7 @@ macro_rules! sampling {
           "speculative", "adapter", "x_ferrolm_fault",
           // Structured output (crate::structured).
           "response_format", "json_schema", "guided_json", "guided_regex", "guided_grammar", "guided_choice",
-          "structured_outputs", "jump_forward", "fill", $($extra),*]
+          "structured_outputs", "grammar", "jump_forward", "fill", $($extra),*]
     };
 }
 
@@ -66,7 +66,6 @@ pub const CHAT: Schema = Schema {
         "prompt_cache_options", "prompt_cache_retention", "safety_identifier", "prediction",
     ],
     refused: &[
-        GBNF,
         Refusal { field: "audio", allows: null, what: "audio output" },
         Refusal { field: "modalities", allows: |v| v.is_null() || v == &serde_json::json!(["text"]), what: "output modalities other than text" },
         Refusal { field: "functions", allows: null_or_empty, what: "the deprecated `functions` (use `tools`)" },
@@ -82,14 +81,7 @@ pub const COMPLETIONS: Schema = Schema {
     // echo, suffix and best_of are refused by the endpoint for the values it cannot honour.
     honoured: sampling!["prompt", "echo", "suffix", "best_of"],
     no_meaning: &["model", "user"],
-    refused: &[GBNF],
-};
-
-/// llama-server's `grammar` (GBNF); structured output takes Lark (`guided_grammar`).
-const GBNF: Refusal = Refusal {
-    field: "grammar",
-    allows: null,
-    what: "a GBNF grammar (use guided_grammar with a Lark grammar, or response_format / guided_json / guided_regex)",
+    refused: &[],
 };
 
 pub const EMBEDDINGS: Schema = Schema {
@@ -186,8 +178,11 @@ mod tests {
         let body = |v: Value| v.as_object().unwrap().clone();
         assert!(CHAT.check(&body(json!({"messages": [], "user": "u", "response_format": {"type": "text"}})), &log, &warned).is_ok());
         assert!(CHAT.check(&body(json!({"response_format": {"type": "json_object"}})), &log, &warned).is_ok());
-        let e = CHAT.check(&body(json!({"grammar": "root ::= \"x\""})), &log, &warned).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("grammar"));
+        // llama-server's GBNF `grammar` is honoured (crate::structured), on both endpoints.
+        assert!(CHAT.check(&body(json!({"grammar": "root ::= \"x\""})), &log, &warned).is_ok());
+        assert!(COMPLETIONS.check(&body(json!({"grammar": "root ::= \"x\""})), &log, &warned).is_ok());
+        let e = CHAT.check(&body(json!({"audio": {"voice": "x"}})), &log, &warned).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("audio"));
         assert!(CHAT.check(&body(json!({"brand_new_field": 1})), &log, &warned).is_ok());
         assert_eq!(warned.0.lock().unwrap().len(), 1);
         for s in [&CHAT, &COMPLETIONS, &EMBEDDINGS, &MESSAGES, &RESPONSES] {

@@ -61,7 +61,7 @@ fn translations_match_llama_cpp_on_its_corpus() {
         }
     }
     assert!(mismatches.is_empty(), "{} of {strings} differ:\n{}", mismatches.len(), mismatches.join("\n"));
-    assert!(strings >= 600, "only {strings} strings checked");
+    assert!(strings >= 900, "only {strings} strings checked");
 }
 
 /// Every bad-grammar error names `grammar` and says where.
@@ -75,23 +75,27 @@ fn bad_gbnf_is_refused_with_line_and_column() {
 
 /// Random walks under llama.cpp's json.gbnf (a recursive grammar: one-character lexemes) end
 /// in text that parses as JSON (serde_json, an oracle independent of both grammars); prints the
-/// masks' median time.
+/// time per token (mask + consume) next to `response_format: json_object`'s.
 #[test]
 fn json_gbnf_walks_parse_as_json() {
     let Some((tok, grammars)) = load(SMOLLM2) else { return };
     let entry = corpus().into_iter().find(|g| g["name"] == "grammars/json.gbnf").unwrap();
-    let spec = ConstraintSpec::Gbnf(entry["grammar"].as_str().unwrap().to_string());
+    let gbnf = ConstraintSpec::Gbnf(entry["grammar"].as_str().unwrap().to_string());
     let mut rng = rng(33);
-    let mut times = Vec::new();
-    for _ in 0..8 {
-        let mut c = grammars.compile(&spec).unwrap();
-        let t0 = std::time::Instant::now();
-        let w = walk(&mut c, &tok, &mut rng, 40);
-        times.push(t0.elapsed().as_secs_f64() * 1e3 / w.tokens.len().max(1) as f64);
-        assert!(w.accepted, "walk not accepted: {:?}", w.text());
-        let v: Value = serde_json::from_str(&w.text()).unwrap_or_else(|e| panic!("{e}: {:?}", w.text()));
-        assert!(v.is_object());
-    }
-    times.sort_by(f64::total_cmp);
-    eprintln!("json.gbnf walks: median {:.2} ms per token (mask + consume), busy machine", times[times.len() / 2]);
+    let mut per_token = |spec: &ConstraintSpec| {
+        let mut times = Vec::new();
+        for _ in 0..8 {
+            let mut c = grammars.compile(spec).unwrap();
+            let t0 = std::time::Instant::now();
+            let w = walk(&mut c, &tok, &mut rng, 40);
+            times.push(t0.elapsed().as_secs_f64() * 1e3 / w.tokens.len().max(1) as f64);
+            assert!(w.accepted, "walk not accepted: {:?}", w.text());
+            let v: Value = serde_json::from_str(&w.text()).unwrap_or_else(|e| panic!("{e}: {:?}", w.text()));
+            assert!(v.is_object());
+        }
+        times.sort_by(f64::total_cmp);
+        times[times.len() / 2]
+    };
+    let (g, j) = (per_token(&gbnf), per_token(&ConstraintSpec::JsonObject));
+    eprintln!("per token (mask + consume), median of 8 walks, busy machine: json.gbnf {g:.2} ms, json_object {j:.2} ms");
 }

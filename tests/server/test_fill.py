@@ -55,6 +55,9 @@ def test_recorded_turns_are_the_same_with_fill_on_and_off(qwen):
     # call), whose scaffold, name, punctuation and sole key are appended; which turns it writes
     # that way can change with the kernels' rounding, the sum hardly.
     assert injected >= 10 and wasted <= injected, (injected, wasted)
+    m = qwen.metrics()
+    assert m["ferrolm_fill_injected_tokens_total"] >= injected
+    assert m["ferrolm_fill_wasted_tokens_total"] >= wasted
 
 
 def test_seeded_sampling_is_the_same_with_fill(qwen):

@@ -160,6 +160,7 @@ impl Generation {
                     fill: stats.fill,
                 };
                 self.state.metrics.speculation(stats.drafted_tokens, stats.accepted_tokens);
+                self.state.metrics.fill(&stats.fill);
                 self.end(End::Finished { reason, usage, stop: self.stop_hit.clone() });
             }
             Some(Event::Error(message)) => self.end(End::Failed(message)),

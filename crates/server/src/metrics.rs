@@ -54,6 +54,8 @@ pub struct Metrics {
     generation_tokens: AtomicU64,
     spec_drafted: AtomicU64,
     spec_accepted: AtomicU64,
+    fill_injected: AtomicU64,
+    fill_wasted: AtomicU64,
     cancelled: AtomicU64,
     ttft: Mutex<Histogram>,
     itl: Mutex<Histogram>,
@@ -68,6 +70,8 @@ impl Default for Metrics {
             generation_tokens: AtomicU64::new(0),
             spec_drafted: AtomicU64::new(0),
             spec_accepted: AtomicU64::new(0),
+            fill_injected: AtomicU64::new(0),
+            fill_wasted: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
             ttft: Mutex::new(Histogram::new(TTFT_BUCKETS)),
             itl: Mutex::new(Histogram::new(ITL_BUCKETS)),
@@ -105,6 +109,12 @@ impl Metrics {
     }
 
     /// Draft tokens a finished generation verified and kept.
+    /// Fill's tokens kept and rows wasted (both policies).
+    pub fn fill(&self, fill: &ferrolm_core::FillStats) {
+        self.fill_injected.fetch_add((fill.assert.injected + fill.verify.injected) as u64, Ordering::Relaxed);
+        self.fill_wasted.fetch_add((fill.assert.wasted + fill.verify.wasted) as u64, Ordering::Relaxed);
+    }
+
     pub fn speculation(&self, drafted: usize, accepted: usize) {
         self.spec_drafted.fetch_add(drafted as u64, Ordering::Relaxed);
         self.spec_accepted.fetch_add(accepted as u64, Ordering::Relaxed);
@@ -143,6 +153,8 @@ impl Metrics {
         counter(&mut out, "ferrolm_generation_tokens_total", "Tokens generated.", &self.generation_tokens);
         counter(&mut out, "ferrolm_spec_drafted_tokens_total", "Draft tokens verified (speculative decoding).", &self.spec_drafted);
         counter(&mut out, "ferrolm_spec_accepted_tokens_total", "Draft tokens kept (speculative decoding).", &self.spec_accepted);
+        counter(&mut out, "ferrolm_fill_injected_tokens_total", "Tokens fill appended and kept (docs/fill.md).", &self.fill_injected);
+        counter(&mut out, "ferrolm_fill_wasted_tokens_total", "Rows fill appended and took back.", &self.fill_wasted);
         counter(
             &mut out,
             "ferrolm_requests_cancelled_total",

@@ -17,6 +17,10 @@ pub(crate) enum Node {
     Group(Vec<Vec<Node>>),
     /// `x*`, `x+`, `x?`, `x{m}`, `x{m,}`, `x{m,n}` (`max: None` is unbounded).
     Repeat { node: Box<Node>, min: u32, max: Option<u32> },
+    /// A repetition of one character (`class`: a class, `.` or a one-character literal) that
+    /// may become one lexeme (`runs.rs`): run number `id`; written by the translator, never by
+    /// the parser.
+    Run { id: usize, class: Box<Node>, min: u32, max: Option<u32> },
 }
 
 /// A rule: its name and alternatives (each a sequence, maybe empty).
@@ -41,7 +45,7 @@ impl Node {
             Node::Ref(i) => out.push(*i),
             Node::Group(alts) => alts.iter().flatten().for_each(|n| n.refs(out)),
             Node::Repeat { node, .. } => node.refs(out),
-            Node::Literal(_) | Node::Class { .. } | Node::Any => {}
+            Node::Literal(_) | Node::Class { .. } | Node::Any | Node::Run { .. } => {}
         }
     }
 }

@@ -9,19 +9,28 @@
 //!   regex over the whole output, with no lexeme boundaries at all;
 //! - otherwise every lexeme is exactly one character (each character of a literal, a class,
 //!   `.`), so lexing is unambiguous and the Earley parser decides everything, like llama.cpp's
-//!   character-by-character stacks. Slower masks, same language.
+//!   character-by-character stacks; except repetitions of one class that `runs.rs` proves
+//!   safe to lex whole (most of the mask time of a one-character lexeme grammar is in them).
 
 use super::ast::{Grammar, Node};
+use super::runs;
 use crate::spec::lark_literal;
 
 pub(crate) fn to_lark(g: &Grammar) -> String {
     let regular = regular_rules(g);
     let reachable = reachable(g);
     let terminal = regular[g.root];
+    let mut g = g.clone();
+    let keep = if terminal {
+        Vec::new()
+    } else {
+        let n = runs::mark(&mut g);
+        runs::safe(&g, n)
+    };
     let name = |i: usize| if terminal { format!("T{i}") } else { format!("r{i}") };
     let mut out = format!("start: {}\n", name(g.root));
     for (i, rule) in g.rules.iter().enumerate().filter(|(i, _)| reachable[*i]) {
-        let body = Emit { terminal, name: &name }.alternatives(&rule.alternatives);
+        let body = Emit { terminal, name: &name, keep: &keep }.alternatives(&rule.alternatives);
         out.push_str(&format!("{}: {body}\n", name(i)));
     }
     out
@@ -69,6 +78,8 @@ struct Emit<'a, F: Fn(usize) -> String> {
     /// Emitting terminals (one regex) rather than rules over one-character lexemes.
     terminal: bool,
     name: &'a F,
+    /// Which runs are lexed whole.
+    keep: &'a [bool],
 }
 
 impl<F: Fn(usize) -> String> Emit<'_, F> {
@@ -91,31 +102,54 @@ impl<F: Fn(usize) -> String> Emit<'_, F> {
                 let each: Vec<String> = chars.iter().map(|c| lark_literal(&c.to_string())).collect();
                 format!("({})", each.join(" "))
             }
-            Node::Class { negated, ranges } => class_regex(*negated, ranges),
-            Node::Any => "/[\\x{0}-\\x{10FFFF}]/".into(),
+            Node::Class { .. } | Node::Any => format!("/{}/", class_body(node)),
             Node::Ref(i) => (self.name)(*i),
             Node::Group(alts) => format!("({})", self.alternatives(alts)),
-            Node::Repeat { node, min, max } => {
-                let inner = format!("({})", self.node(node));
-                match (min, max) {
-                    (_, Some(0)) => "\"\"".into(),
-                    (0, None) => format!("{inner}*"),
-                    (1, None) => format!("{inner}+"),
-                    (0, Some(1)) => format!("{inner}?"),
-                    (m, None) => format!("{inner}{{{m},}}"),
-                    (m, Some(n)) if m == n => format!("{inner}{{{m}}}"),
-                    (m, Some(n)) => format!("{inner}{{{m},{n}}}"),
-                }
-            }
+            Node::Repeat { node, min, max } => quantified(&format!("({})", self.node(node)), *min, *max),
+            Node::Run { id, class, min, max } if self.keep[*id] => match (min, max) {
+                (0, max) => format!("({})?", run_regex(class, 1, *max)),
+                (m, max) => run_regex(class, *m, *max),
+            },
+            Node::Run { class, min, max, .. } => quantified(&format!("({})", self.node(class)), *min, *max),
         }
     }
 }
 
-/// `/[...]/` with every character but ASCII letters and digits written as `\x{HEX}` (no
-/// escaping rules of Lark's or the regex dialect's to get wrong).
-fn class_regex(negated: bool, ranges: &[(char, char)]) -> String {
+/// `inner` repeated (`inner` already parenthesised).
+fn quantified(inner: &str, min: u32, max: Option<u32>) -> String {
+    match (min, max) {
+        (_, Some(0)) => "\"\"".into(),
+        (0, None) => format!("{inner}*"),
+        (1, None) => format!("{inner}+"),
+        (0, Some(1)) => format!("{inner}?"),
+        (m, None) => format!("{inner}{{{m},}}"),
+        (m, Some(n)) if m == n => format!("{inner}{{{m}}}"),
+        (m, Some(n)) => format!("{inner}{{{m},{n}}}"),
+    }
+}
+
+/// One lexeme for `min..=max` characters of a one-character node (`min` at least 1).
+fn run_regex(class: &Node, min: u32, max: Option<u32>) -> String {
+    let body = class_body(class);
+    match max {
+        None if min == 1 => format!("/{body}+/"),
+        None => format!("/{body}{{{min},}}/"),
+        Some(n) if n == min => format!("/{body}{{{min}}}/"),
+        Some(n) => format!("/{body}{{{min},{n}}}/"),
+    }
+}
+
+/// The regex class of a one-character node: `[...]` with every character but ASCII letters
+/// and digits written as `\x{HEX}` (no escaping rules of Lark's or the regex dialect's to get
+/// wrong).
+fn class_body(node: &Node) -> String {
     let one = |c: char| if c.is_ascii_alphanumeric() { c.to_string() } else { format!("\\x{{{:X}}}", c as u32) };
+    let (negated, ranges) = match node {
+        Node::Class { negated, ranges } => (*negated, ranges.clone()),
+        Node::Literal(c) if c.len() == 1 => (false, vec![(c[0], c[0])]),
+        _ => (false, vec![('\0', char::MAX)]),
+    };
     let body: String =
         ranges.iter().map(|&(lo, hi)| if lo == hi { one(lo) } else { format!("{}-{}", one(lo), one(hi)) }).collect();
-    format!("/[{}{body}]/", if negated { "^" } else { "" })
+    format!("[{}{body}]", if negated { "^" } else { "" })
 }

@@ -8,6 +8,7 @@ mod ast;
 mod lark;
 mod parse;
 mod recursion;
+mod runs;
 
 use crate::GrammarError;
 

@@ -44,7 +44,7 @@ impl Lowering {
     fn element(&mut self, node: &Node, owner: usize, out: &mut Vec<Option<usize>>) {
         match node {
             Node::Literal(chars) => out.extend(chars.iter().map(|_| None)),
-            Node::Class { .. } | Node::Any => out.push(None),
+            Node::Class { .. } | Node::Any | Node::Run { .. } => out.push(None),
             Node::Ref(i) => out.push(Some(*i)),
             Node::Group(alts) => {
                 let lowered = alts.iter().map(|seq| self.sequence(seq, owner)).collect();

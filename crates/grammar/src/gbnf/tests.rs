@@ -81,3 +81,19 @@ fn left_recursion_is_refused_as_llama_cpp_does() {
 fn a_later_definition_replaces_an_earlier_one() {
     assert_eq!(gbnf_to_lark("root ::= \"a\"\nroot ::= \"b\"").unwrap(), "start: T0\nT0: \"b\"\n");
 }
+
+#[test]
+fn class_repetitions_are_one_lexeme_only_where_greedy_lexing_is_exact() {
+    let lark = |g: &str| gbnf_to_lark(g).unwrap();
+    // Nothing after the digits can continue them: one lexeme.
+    assert!(lark("root ::= \"(\" root \")\" | [0-9]+ \"s\"").contains("/[0-9]+/"));
+    // "s" could continue [a-z]*: a character at a time.
+    assert!(lark("root ::= \"(\" root \")\" | [a-z]* \"s\"").contains("(/[a-z]/)*"));
+    // é and è share their first UTF-8 byte: the lexer would enter the run on è's first byte.
+    assert!(lark("root ::= \"(\" root \")\" | [\\u00e9]+ \"\\u00e8\"").contains("(/[\\x{E9}]/)+"));
+    // "b" may start where [a-z]+ starts.
+    assert!(lark("root ::= \"(\" root \")\" | [a-z]+ \"1\" | \"b\" \"2\"").contains("(/[a-z]/)+"));
+    // A JSON string's `(C | escape)*` becomes `C* (escape C*)*`, C one lexeme.
+    let json = "root ::= \"[\" (s (\",\" s)*)? \"]\" | \"(\" root \")\"\ns ::= \"\\\"\" ([^\"\\\\] | \"\\\\\" [nt\"\\\\])* \"\\\"\"";
+    assert!(lark(json).contains("(/[^\\x{22}\\x{5C}]+/)?"), "{}", lark(json));
+}

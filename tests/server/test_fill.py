@@ -84,3 +84,41 @@ def test_a_wrong_type_is_a_400(server):
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, "tools": TOOLS, "fill": "yes"})
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "fill"
+
+
+@pytest.fixture(scope="module")
+def no_fill_server():
+    s = Server("--no-fill")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def copies_server():
+    s = Server("--fill-copies")
+    yield s
+    s.stop()
+
+
+def test_the_server_flag_turns_fill_off_and_a_request_back_on(server, no_fill_server):
+    off = ask(no_fill_server, ASK, TOOLS, max_tokens=60)
+    on = ask(no_fill_server, ASK, TOOLS, max_tokens=60, fill=True)
+    assert "fill" not in off["usage"]
+    assert on["usage"]["fill"]["assert"]["injected"] > 0
+    assert answer(on) == answer(off) == answer(ask(server, ASK, TOOLS, max_tokens=60))
+
+
+def test_copies_are_verify_spans(server, copies_server):
+    # The history holds two earlier calls: their arguments' layout is there to copy.
+    r = ask(copies_server, ASK, TOOLS, max_tokens=60)
+    assert answer(r) == answer(ask(server, ASK, TOOLS, max_tokens=60, fill=False))
+    verify = r["usage"]["fill"]["verify"]
+    assert verify["spans"] > 0 and verify["injected"] + verify["wasted"] > 0, r["usage"]
+    # Speculation's drafts are the copies when it runs: fill adds none.
+    spec = Server("--fill-copies", "--draft-kind", "ngram")
+    try:
+        r = ask(spec, ASK, TOOLS, max_tokens=60)
+        assert r["usage"].get("fill", {}).get("verify", {}).get("spans", 0) == 0, r["usage"]
+        assert answer(r) == answer(ask(server, ASK, TOOLS, max_tokens=60))
+    finally:
+        spec.stop()

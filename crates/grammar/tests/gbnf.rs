@@ -97,5 +97,7 @@ fn json_gbnf_walks_parse_as_json() {
         times[times.len() / 2]
     };
     let (g, j) = (per_token(&gbnf), per_token(&ConstraintSpec::JsonObject));
-    eprintln!("per token (mask + consume), median of 8 walks, busy machine: json.gbnf {g:.2} ms, json_object {j:.2} ms");
+    eprintln!(
+        "per token (mask + consume), median of 8 walks, busy machine: json.gbnf {g:.2} ms, json_object {j:.2} ms"
+    );
 }

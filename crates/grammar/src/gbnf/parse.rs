@@ -23,7 +23,14 @@ pub(crate) struct ParseError {
 type Result<T> = std::result::Result<T, ParseError>;
 
 pub(crate) fn parse(src: &str) -> Result<Grammar> {
-    let mut p = Parser { text: src.chars().collect(), pos: 0, names: HashMap::new(), rules: Vec::new(), generated: 0, first_ref: Vec::new() };
+    let mut p = Parser {
+        text: src.chars().collect(),
+        pos: 0,
+        names: HashMap::new(),
+        rules: Vec::new(),
+        generated: 0,
+        first_ref: Vec::new(),
+    };
     p.skip_space(true);
     while !p.eof() {
         p.rule()?;
@@ -147,7 +154,9 @@ impl Parser {
             let element = match c {
                 '"' => Some(self.literal()?),
                 '[' => Some(self.class()?),
-                '<' | '!' => return self.err("token references (<...>, !<...>) are not supported: write the text instead"),
+                '<' | '!' => {
+                    return self.err("token references (<...>, !<...>) are not supported: write the text instead")
+                }
                 '(' => Some(self.group()?),
                 '.' => {
                     self.pos += 1;
@@ -243,7 +252,9 @@ impl Parser {
             _ => 1,
         };
         if last.n_prev_rules * total > MAX_REPETITION {
-            return self.err("nested repetitions generate more rules than llama.cpp allows (2000); reduce the repetition counts");
+            return self.err(
+                "nested repetitions generate more rules than llama.cpp allows (2000); reduce the repetition counts",
+            );
         }
         last.n_prev_rules *= total;
         self.generated += max.map_or(1, |m| m - min);

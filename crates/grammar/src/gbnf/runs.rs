@@ -215,8 +215,8 @@ impl Cfg {
             let Some(run) = run else { continue };
             let clash = |set: &[bool]| (0..n).any(|s| s != r && set[s] && overlap(&self.lexemes[s].0, bytes));
             let follows_badly = clash(&follow[r]);
-            let starts_with_others = (0..n).any(|z| follow[z][r] && clash(&follow[z]))
-                || (first[self.root][r] && clash(&first[self.root]));
+            let starts_with_others =
+                (0..n).any(|z| follow[z][r] && clash(&follow[z])) || (first[self.root][r] && clash(&first[self.root]));
             if follows_badly || starts_with_others {
                 bad.push(*run);
             }

@@ -9,10 +9,13 @@ fn regular_root_is_one_terminal() {
     let lark = gbnf_to_lark("root ::= \"yes\" | \"no\"\n").unwrap();
     assert_eq!(lark, "start: T0\nT0: \"yes\" | \"no\"\n");
     let lark = gbnf_to_lark("root ::= item+\nitem ::= \"- \" [^\\n]+ \"\\n\"\n").unwrap();
-    assert_eq!(lark, r#"start: T0
+    assert_eq!(
+        lark,
+        r#"start: T0
 T0: (T1)+
 T1: "- " (/[^\x{A}]/)+ "\n"
-"#);
+"#
+    );
 }
 
 #[test]

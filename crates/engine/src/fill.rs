@@ -4,7 +4,8 @@
 //!
 //! - **Assert** spans are the ones the request determines: once the model opens a tool call,
 //!   the rest of the chat template's call scaffold, the rest of a tool name after its first
-//!   disambiguating token, the punctuation up to the arguments. They come from
+//!   disambiguating token, the punctuation up to the arguments (and a tool's sole required
+//!   key). They come from
 //!   [`tool_call_spans`]: the conversation rendered with a call to each real tool by the
 //!   model's own template, token ids diffed against the prompt (never a fragment tokenized
 //!   alone, so every cut is a token boundary of a real rendering).

@@ -91,6 +91,7 @@ impl<'a> Sequence<'a> {
     pub fn new(id: u64, req: SeqRequest<'a>, mut cache: SeqCache) -> Self {
         let cached = reuse_cached_prefix(&mut cache, req.prompt.len());
         let stats = GenerationStats { prompt_tokens: req.prompt.len(), cached_tokens: cached, ..Default::default() };
+        // A constrained sequence's forced tokens are jump-forward's (the grammar's own).
         let fill = req.params.fill.clone().filter(|_| req.constraint.is_none()).map(|plan| Fill::new(plan, req.prompt.len()));
         let mut seq = Self {
             id,
@@ -114,7 +115,6 @@ impl<'a> Sequence<'a> {
             max_gamma: 0,
             rows: Vec::new(),
             spec: SpecStats::default(),
-            // A constrained sequence's forced tokens are jump-forward's (the grammar's own).
             fill,
             drafts_from: None,
             constraint: req.constraint,

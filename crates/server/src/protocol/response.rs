@@ -179,6 +179,11 @@ mod tests {
         let u = Usage { prompt_tokens: 3, completion_tokens: 2, cached_tokens: 1, ..Default::default() };
         assert_eq!(u.json()["total_tokens"], 5);
         assert_eq!(u.json()["prompt_tokens_details"]["cached_tokens"], 1);
+        assert!(u.json().get("fill").is_none());
+        let mut fill = ferrolm_core::FillStats::default();
+        fill.assert = ferrolm_core::SpanCounts { spans: 2, injected: 9, wasted: 1 };
+        let f = Usage { fill, ..u }.json()["fill"].clone();
+        assert_eq!(f, json!({"assert": {"spans": 2, "injected": 9, "wasted": 1}, "verify": {"spans": 0, "injected": 0, "wasted": 0}}));
         let calls = tool_calls_json(&[ToolCall { name: "f".into(), arguments: "{}".into() }], Some(2));
         assert_eq!(calls[0]["index"], 2);
         assert_eq!(calls[0]["function"]["arguments"], "{}");

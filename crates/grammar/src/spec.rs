@@ -130,7 +130,8 @@ fn after_reasoning_lark(end: &str, answer: &ConstraintSpec, tokenizer: &ferrolm_
         ConstraintSpec::Choice(options) => choice_rule("answer", options)?,
         ConstraintSpec::ToolCalls(spec) => spec.to_lark(tokenizer, "answer")?,
         ConstraintSpec::Regex(_) => return Err(refuse("a regex")),
-        ConstraintSpec::Lark(_) | ConstraintSpec::Gbnf(_) => return Err(refuse("a grammar")),
+        ConstraintSpec::Gbnf(src) => crate::gbnf::to_lark_rule(src, "answer")?,
+        ConstraintSpec::Lark(_) => return Err(refuse("a Lark grammar")),
         ConstraintSpec::AfterReasoning { .. } => return Err(refuse("a nested reasoning constraint")),
     };
     let end = lark_literal(end);

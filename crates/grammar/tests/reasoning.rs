@@ -66,3 +66,25 @@ fn regexes_and_grammars_after_the_reasoning_are_refused_by_name() {
     let err = g.compile(&after_think(ConstraintSpec::Lark("start: \"a\"".into()))).unwrap_err().to_string();
     assert!(err.contains("grammar"), "{err}");
 }
+
+/// GBNF is translated by ferrolm, so it can bind the answer after the reasoning: a regular
+/// grammar (one terminal) and a recursive one (rules over one-character lexemes).
+#[test]
+fn gbnf_after_the_reasoning_binds_the_answer() {
+    let Some((tok, g)) = load(SMOLLM2) else { return };
+    let cases = [
+        ("root ::= (\"yes\" | \"no\") \".\"", [("Hmm (a).</think>\nno.", true), ("x</think>((abc.))", false)]),
+        ("root ::= \"(\" root \")\" | [a-z]+ \".\"", [("x</think>((abc.))", true), ("x</think>((abc.)", false)]),
+    ];
+    for (gbnf, texts) in cases {
+        let spec = after_think(ConstraintSpec::Gbnf(gbnf.into()));
+        for (text, ok) in texts {
+            let mut c = g.compile(&spec).unwrap();
+            let (n, all) = accepted(&mut c, &tok, text);
+            assert_eq!(n == all && c.can_end(), ok, "{gbnf} on {text:?}");
+        }
+        let mut c = g.compile(&spec).unwrap();
+        let (n, all) = accepted(&mut c, &tok, "ok</think>\nThe answer");
+        assert!(n < all, "{gbnf}: free text after the reasoning must be refused");
+    }
+}

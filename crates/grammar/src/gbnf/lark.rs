@@ -16,7 +16,8 @@ use super::ast::{Grammar, Node};
 use super::runs;
 use crate::spec::lark_literal;
 
-pub(crate) fn to_lark(g: &Grammar) -> String {
+/// The Lark grammar, its start rule named `start`.
+pub(crate) fn to_lark(g: &Grammar, start: &str) -> String {
     let regular = regular_rules(g);
     let reachable = reachable(g);
     let terminal = regular[g.root];
@@ -28,7 +29,7 @@ pub(crate) fn to_lark(g: &Grammar) -> String {
         runs::safe(&g, n)
     };
     let name = |i: usize| if terminal { format!("T{i}") } else { format!("r{i}") };
-    let mut out = format!("start: {}\n", name(g.root));
+    let mut out = format!("{start}: {}\n", name(g.root));
     for (i, rule) in g.rules.iter().enumerate().filter(|(i, _)| reachable[*i]) {
         let body = Emit { terminal, name: &name, keep: &keep }.alternatives(&rule.alternatives);
         out.push_str(&format!("{}: {body}\n", name(i)));

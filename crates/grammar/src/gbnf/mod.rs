@@ -18,6 +18,12 @@ const FIELD: &str = "grammar";
 /// The Lark grammar for a GBNF grammar, or an `Invalid` error naming `grammar` with the line
 /// and column of the problem.
 pub fn gbnf_to_lark(src: &str) -> Result<String, GrammarError> {
+    to_lark_rule(src, "start")
+}
+
+/// [`gbnf_to_lark`] with the grammar's start as rule `start` (to embed it in a larger grammar:
+/// its own rules are named `r<n>` and `T<n>`).
+pub(crate) fn to_lark_rule(src: &str, start: &str) -> Result<String, GrammarError> {
     let grammar = parse::parse(src).map_err(|e| {
         let (line, col) = line_col(src, e.at);
         GrammarError::invalid(FIELD, format!("GBNF line {line}, column {col}: {}", e.message))
@@ -26,7 +32,7 @@ pub fn gbnf_to_lark(src: &str) -> Result<String, GrammarError> {
         let msg = format!("GBNF rule '{rule}' is left-recursive (llama.cpp refuses left recursion)");
         return Err(GrammarError::invalid(FIELD, msg));
     }
-    Ok(lark::to_lark(&grammar))
+    Ok(lark::to_lark(&grammar, start))
 }
 
 /// 1-based line and column (in characters) of character offset `at`.

@@ -49,7 +49,7 @@ fn render_chat(state: &SharedState, chat: ChatRequest, fill: bool) -> ApiResult<
     let ids = tk.encode_prompt(&text, add_special, context.saturating_sub(1)).map_err(|e| too_long(e, context, "messages"))?;
     let opens_reasoning =
         state.think_tags.as_ref().is_some_and(|(s, e)| ReasoningSplitter::prompt_opens_reasoning(&text, s, e));
-    let fill = fill.then(|| fill_plan(state, &chat, &ids)).flatten();
+    let fill = fill.then(|| fill_plan(state, &chat, Rendered { text: &text, ids: &ids })).flatten();
     Ok(ChatPrompt { ids, opens_reasoning, fill })
 }
 
@@ -85,21 +85,27 @@ fn render_text(state: &SharedState, chat: &ChatRequest, messages: &[Value], gene
 /// Tools beyond this many are not probed for fill (each costs two renderings of the chat).
 const MAX_FILL_TOOLS: usize = 32;
 
+/// A prompt as rendered text and as ids.
+#[derive(Clone, Copy)]
+struct Rendered<'a> {
+    text: &'a str,
+    ids: &'a [u32],
+}
+
 /// Fill's plan for a chat whose prompt is `prompt`: assert spans for its tools (a chat with a
 /// template, no prefilled answer, at most [`MAX_FILL_TOOLS`] tools), and copies when the server
 /// runs them (`--fill-copies`). None when there is nothing to fill.
-fn fill_plan(state: &SharedState, chat: &ChatRequest, prompt: &[u32]) -> Option<FillPlan> {
+fn fill_plan(state: &SharedState, chat: &ChatRequest, prompt: Rendered<'_>) -> Option<FillPlan> {
     let bundle = state.bundle();
     let probe = !chat.tools.is_empty() && chat.tools.len() <= MAX_FILL_TOOLS && bundle.template.is_some() && chat.prefill.is_none();
     let tool_calls = match probe {
         true => {
-            let limit = prompt.len() + 4 * fill::MAX_SPAN;
             let render = |messages: Vec<Value>| -> Result<Vec<u32>, String> {
                 let text = render_text(state, chat, &messages, false).map_err(|e| e.message)?;
-                bundle.tokenizer.encode_prompt(&text, false, limit).map_err(|e| e.to_string())
+                probe_ids(&bundle.tokenizer, prompt, &text)
             };
             match fill::probe_tools(&chat.messages, &chat.tools, render) {
-                Ok(probes) => fill::tool_call_spans(prompt, &probes, &bundle.tokenizer),
+                Ok(probes) => fill::tool_call_spans(prompt.ids, &probes, &bundle.tokenizer),
                 Err(e) => {
                     tracing::debug!("fill: the tool-call probes did not render ({e}); no assert spans");
                     Vec::new()
@@ -163,6 +169,33 @@ fn too_long(e: EncodeError, context: usize, param: &str) -> ApiError {
         .with_code("context_length_exceeded"),
         EncodeError::Failed(e) => ApiError::internal(format!("tokenization failed: {e}")),
     }
+}
+
+/// The ids of a probe rendering (`text`) that extends the prompt's conversation. Tokenizing a
+/// whole long chat once per probe would cost milliseconds per tool, so only the text from the
+/// last control token the probe shares with the prompt (`<|im_start|>` of the generation
+/// prompt) is tokenized, after the prompt's ids before it: control tokens are cut out before
+/// any merge, so no id before one depends on what follows it. Checked on the prompt itself
+/// (its text from there must give its last ids), else the whole probe is tokenized.
+fn probe_ids(tk: &Tokenizer, prompt: Rendered<'_>, text: &str) -> Result<Vec<u32>, String> {
+    let limit = prompt.ids.len() + 4 * fill::MAX_SPAN;
+    let encode = |t: &str| tk.encode_prompt(t, false, limit).map_err(|e| e.to_string());
+    let Some((at, keep)) = control_split(tk, prompt, text) else { return encode(text) };
+    let mut ids = prompt.ids[..keep].to_vec();
+    ids.extend(encode(&text[at..])?);
+    Ok(ids)
+}
+
+/// Where `text` may be tokenized from: the byte offset of the last control token of the prompt
+/// within what `text` shares with the prompt's text, and how many prompt ids come before it.
+fn control_split(tk: &Tokenizer, prompt: Rendered<'_>, text: &str) -> Option<(usize, usize)> {
+    let shared = prompt.text.bytes().zip(text.bytes()).take_while(|(a, b)| a == b).count();
+    let last = *prompt.ids.iter().rev().find(|&&id| tk.is_special(id))?;
+    let control = std::str::from_utf8(tk.token_bytes(last)).ok().filter(|c| !c.is_empty())?;
+    let at = prompt.text.get(..shared)?.rfind(control)?;
+    let tail = tk.encode_prompt(&prompt.text[at..], false, prompt.ids.len()).ok()?;
+    let keep = prompt.ids.len().checked_sub(tail.len())?;
+    (prompt.ids[keep..] == tail[..]).then_some((at, keep))
 }
 
 /// A client's value with every string (and object key) protected: special-token texts in it
@@ -304,5 +337,29 @@ mod tests {
         assert!(e.message.contains("you requested 101 tokens (90 in the messages, 11 in the completion)"));
         assert!(token_budget(100, None, 512, 100, "prompt").is_err());
         assert!(token_budget(0, None, 512, 100, "prompt").is_err());
+    }
+
+    /// A probe's ids from the prompt's ids and its text after the last shared control token
+    /// equal the whole probe tokenized (Qwen2.5's tokenizer; skipped without the model).
+    #[test]
+    fn probe_ids_equal_the_whole_rendering_tokenized() {
+        let path = ferrolm_models::paths::models_dir().join("qwen2.5-coder-0.5b-instruct-Q4_K_M.gguf");
+        let Ok(tk) = Tokenizer::from_gguf_file(&path) else { return eprintln!("SKIP: {} not present", path.display()) };
+        // User text that spells a control token (protected), and a tool call in the history.
+        let user = tk.protect("Say <|im_start|>assistant please").into_owned();
+        let head = format!("<|im_start|>system\nTools<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant");
+        let prompt_text = format!("{head}\n");
+        let ids = tk.encode_prompt(&prompt_text, false, usize::MAX).unwrap();
+        let prompt = Rendered { text: &prompt_text, ids: &ids };
+        for call in ["\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"a\": 1}}\n</tool_call><|im_end|>\n", "\nPlain answer<|im_end|>\n"] {
+            let probe = format!("{head}{call}");
+            let whole = tk.encode_prompt(&probe, false, usize::MAX).unwrap();
+            assert!(control_split(&tk, prompt, &probe).is_some_and(|(_, keep)| keep + 3 == ids.len()));
+            assert_eq!(probe_ids(&tk, prompt, &probe).unwrap(), whole, "{call:?}");
+        }
+        // No control token shared: the whole text is tokenized.
+        let plain = Rendered { text: "hello", ids: &tk.encode_prompt("hello", false, 10).unwrap() };
+        assert_eq!(control_split(&tk, plain, "hello world"), None);
+        assert_eq!(probe_ids(&tk, plain, "hello world").unwrap(), tk.encode_prompt("hello world", false, 99).unwrap());
     }
 }

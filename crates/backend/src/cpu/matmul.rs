@@ -7,7 +7,7 @@
 //!   f32 scratch panel, then a register-blocked micro-kernel multiplies it with every token
 //!   (`gemm`), so dequantization is paid once per panel, not once per token.
 //! - Quantized formats on AVX-512 VNNI, unless exact activations are asked for: 8-bit
-//!   activations, `vnni::gemv` for one token and `vnni_gemm::gemm` for several.
+//!   activations, `vnni_gemm::gemv` / `gemv_tokens` for decode rows and `vnni_gemm::gemm` for prompts.
 
 use super::formats::{self, Block, Format};
 use super::micro::{self, MicroKernel};
@@ -393,8 +393,8 @@ fn run<B: KernelBlock + 'static>(a: &Args) {
 }
 
 /// The 8-bit products (AVX-512 VNNI, used where the format has a kernel and exact activations
-/// were not asked for): decode of one token (`vnni`), of several (`decode_batch`), prefill
-/// (`vnni_gemm`).
+/// were not asked for): decode of one token, of several, and prefill, all `vnni_gemm`'s (one
+/// arithmetic, so each output has the same bits whichever ran it).
 #[derive(Clone, Copy)]
 enum Int8 {
     Gemv,
@@ -514,18 +514,18 @@ fn int8_gemv_with<V: super::vnni::Vnni>(a: &Args, worth: bool, repacked: bool) {
             a.for_parts_of(rows, repacked, |p, rows| {
                 // SAFETY: VNNI was detected; `xq` holds x for this format; each thread writes
                 // only its own rows.
-                unsafe { vnni::gemv::<V>(p.w, p.cols, xq, rows, &mut |r, v| p.y.write(p.out_start + r, v)) }
+                unsafe { super::vnni_gemm::gemv::<V>(p.w, p.cols, xq, rows, &mut |r, v| p.y.write(p.out_start + r, v)) }
             })
         });
     });
 }
 
 /// Decode of several tokens with 8-bit activations: each token quantized once (token-major),
-/// then every thread multiplies its rows with all of them (`decode_batch`, bit-identical to
-/// `int8_gemv_with` per token).
+/// then every thread multiplies its rows with all of them (`vnni_gemm::gemv_tokens`,
+/// bit-identical to `int8_gemv_with` per token).
 #[cfg(target_arch = "x86_64")]
 fn int8_gemv_tokens_with<V: super::vnni::Vnni>(a: &Args, worth: bool, repacked: bool) {
-    use super::{decode_batch, vnni};
+    use super::vnni;
     let (cols, pairs, t) = (a.m.cols, a.m.cols.div_ceil(64), a.t);
     QX.with(|buf| {
         let mut buf = buf.borrow_mut();
@@ -550,7 +550,7 @@ fn int8_gemv_tokens_with<V: super::vnni::Vnni>(a: &Args, worth: bool, repacked: 
                 // SAFETY (both): VNNI was detected; `xq` holds the tokens for this format; each
                 // thread writes only its own rows of every token.
                 let mut y = |j: usize, r: usize, v: f32| unsafe { p.y.write(j * p.out_rows + p.out_start + r, v) };
-                unsafe { decode_batch::gemv_tokens::<V>(p.w, p.cols, xq, t, rows, &mut y) }
+                unsafe { super::vnni_gemm::gemv_tokens::<V>(p.w, p.cols, xq, t, rows, &mut y) }
             })
         });
     });

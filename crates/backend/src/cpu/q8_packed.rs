@@ -5,8 +5,9 @@
 //! already added, and their eight scales together, so a row and pair is one aligned load, one
 //! `vpdpbusd`, one permute of the group's scales, a multiply, a conversion and an FMA.
 //!
-//! The arithmetic is exactly `vnni::gemv`'s for Q8_0 (same integer sums, same scale products,
-//! same FMA order), so results are bit-identical. Used for output heads (one token per step at
+//! Its arithmetic is per lane (each lane's integer sum times d_w·d_x, FMA'd pair after pair;
+//! `tests::per_lane_row` spells it out), the same for one token and for several, so a
+//! sequence's logits have the same bits batched or alone. Used for output heads (one token per step at
 //! most: logits are computed for the last position only), where the original blocks stay in the
 //! memory map for the embedding lookup.
 
@@ -186,8 +187,28 @@ fn widen<const T: usize>(v: [[f32; T]; 4]) -> [[f32; 4]; 4] {
 mod tests {
     use super::*;
 
-    /// The repacked product equals `vnni::gemv` on the file's layout bit for bit, for row
-    /// counts that are and are not multiples of 4, odd block counts and row ranges.
+    /// Row r of Q8_0 rows `w` times `xq` with the per-lane arithmetic this module promises: per
+    /// pair, lane sums by `vpdpbusd` from the offset correction, times d_w·d_x, FMA'd in order.
+    ///
+    /// # Safety
+    /// `vnni::available()`; `w` holds `r + 1` whole rows of `cols` values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn per_lane_row(w: &[u8], cols: usize, xq: &[QPair], r: usize) -> f32 {
+        type F = formats::Q8_0;
+        let row = w.as_ptr().add(r * cols / 32 * F::BYTES);
+        let mut acc = _mm512_setzero_ps();
+        for (p, xp) in xq.iter().enumerate() {
+            let two = 2 * p + 1 < cols / 32;
+            let (wq, dw, _) = <F as vnni::Vnni>::load_pair(row.add(2 * p * F::BYTES), 0, two);
+            let isum = _mm512_dpbusd_epi32(_mm512_load_si512(xp.corr.as_ptr() as *const _), wq, _mm512_load_si512(xp.q.as_ptr() as *const _));
+            let scale = _mm512_mul_ps(dw, _mm512_load_ps(xp.dx.as_ptr()));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc);
+        }
+        vnni::finish(acc, _mm_setzero_ps())
+    }
+
+    /// The repacked product equals the per-lane arithmetic on the file's layout bit for bit,
+    /// for row counts that are and are not multiples of 4, odd block counts and row ranges.
     #[test]
     fn repacked_equals_file_layout_exactly() {
         if !vnni::available() {
@@ -205,7 +226,9 @@ mod tests {
             // SAFETY: VNNI was detected above.
             unsafe {
                 vnni::quantize::<formats::Q8_0>(&x, &mut xq);
-                vnni::gemv::<formats::Q8_0>(&w, cols, &xq, 0..rows, &mut |r, v| want[r] = v);
+                for (r, v) in want.iter_mut().enumerate() {
+                    *v = per_lane_row(&w, cols, &xq, r);
+                }
                 packed.gemv(&xq, 0..rows, &mut |r, v| got[r] = v);
                 packed.gemv(&xq, 4..rows, &mut |r, v| assert_eq!(v.to_bits(), want[r].to_bits()));
             }

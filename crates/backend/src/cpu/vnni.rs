@@ -1,9 +1,10 @@
-//! Decode with 8-bit activations on AVX-512 VNNI, as llama.cpp does (its q4_1·q8_1 and
-//! q8_0·q8_0 dot products): the activation row is quantized once per product into blocks of 32
-//! (int8 values and an f32 scale), and `vpdpbusd` multiplies 64 u8 weights by 64 s8 activations
-//! per instruction, summing groups of 4 into 16 i32 lanes. Only the per-block scales are applied
-//! in f32. This changes results slightly (like llama.cpp's), so `super::exact_activations()`
-//! turns it off.
+//! 8-bit activations on AVX-512 VNNI, as llama.cpp does (its q4_1·q8_1 and q8_0·q8_0 dot
+//! products): the activation row is quantized once per product into blocks of 32 (int8 values
+//! and an f32 scale), and `vpdpbusd` multiplies 64 u8 weights by 64 s8 activations per
+//! instruction, summing groups of 4 into 16 i32 lanes. Only the per-block scales are applied in
+//! f32. This changes results slightly (like llama.cpp's), so `super::exact_activations()` turns
+//! it off. This module holds the formats' pair loads and the activations' quantization; the
+//! products themselves (decode of one or several tokens, and prefill) are `vnni_gemm`'s.
 //!
 //! Two weight blocks go into one zmm (a *pair*). A format loads its pair as 64 unsigned bytes in
 //! one of two byte orders, and the activations are laid out in the same order beforehand:
@@ -13,8 +14,8 @@
 //! - `Layout::Natural` (Q8_0): `[b0 values 0..32, b1 values 0..32]`.
 //!
 //! Signed weights are made unsigned by an offset `k` (Q8_0: w + 128; Q4_0: the stored nibble,
-//! w = q − 8), whose contribution −k·Σx is precomputed per lane and used as the accumulator's
-//! starting value, so the offset costs nothing per row.
+//! w = q − 8), whose contribution −k·Σx is precomputed per lane (`QPair::corr`, for the Q8_0
+//! head kernel `q8_packed`) and per 16-value chunk (`QPair::corr4`, for `vnni_gemm`).
 
 #![cfg(target_arch = "x86_64")]
 
@@ -42,9 +43,9 @@ pub struct QPair {
     /// `corr` summed per 128-bit chunk, every lane of a chunk holding its chunk's sum (the
     /// correction of `vnni_gemm`, which sums each chunk's lanes before converting to f32).
     pub(super) corr4: [i32; 16],
-    /// `[0, s0, 0, s1]`, s = d_x · Σq per block: multiplied by `[d0, m0, d1, m1]` it adds the
-    /// min term m·s of formats with a min (and nothing for the others, whose m lanes are 0).
-    pub(super) s: [f32; 4],
+    /// s = d_x · Σq of each lane's block (`[s0 × 8, s1 × 8]` in the Natural layout): multiplied
+    /// by the weights' min m of the block it adds the min term m·s of formats with a min.
+    pub(super) sx: [f32; 16],
 }
 
 impl QPair {
@@ -53,7 +54,7 @@ impl QPair {
         dx: [0.0; 16],
         corr: [0; 16],
         corr4: [0; 16],
-        s: [0.0; 4],
+        sx: [0.0; 16],
     };
 }
 
@@ -78,6 +79,12 @@ pub trait Vnni: Block {
     const OFFSET: i32;
     /// Whether w = d·q + m has a min term (else the kernel skips it).
     const MIN: bool;
+    /// Whether each 16-value chunk has its own weight scale (Q6_K) rather than each 32-value
+    /// block (the `[d0, m0, d1, m1]` of `load_pair` then holds every scale of the pair).
+    const CHUNK_SCALES: bool = false;
+    /// Whether `block_scales` is `[scale of 32-value sub-block j (8), min of sub-block j (8)]`
+    /// (Q4_K), from which the 8-bit GEMM takes four rows' pair scales with two shuffles.
+    const SUB_BLOCK_SCALES: bool = false;
     /// Pair `p` of the weight block at `b` (N = 256; for N = 32 `p` is 0 and the pair is the
     /// block at `b` and, if `two`, the next one): 64 u8 weights in `LAYOUT`, each i32 lane's
     /// weight scale (in the lane order of `vpdpbusd`'s sums), and `[_, m0, _, m1]`, the min
@@ -235,6 +242,7 @@ impl Vnni for formats::Q4K {
     const LAYOUT: Layout = Layout::Natural;
     const OFFSET: i32 = 0;
     const MIN: bool = true;
+    const SUB_BLOCK_SCALES: bool = true;
     #[inline(always)]
     unsafe fn load_pair(b: *const u8, p: usize, two: bool) -> (__m512i, __m512, __m128) {
         Self::load_pair_scaled(b, p, two, Self::block_scales(b))
@@ -285,6 +293,7 @@ impl Vnni for formats::Q6K {
     const LAYOUT: Layout = Layout::Natural;
     const OFFSET: i32 = 32;
     const MIN: bool = false;
+    const CHUNK_SCALES: bool = true;
     /// Pair p is quadrants 2(p%2) and 2(p%2)+1 of half p/2: 4 low bits from a nibble of ql
     /// (low nibbles for the first quadrant pair, high for the second), 2 high bits from qh;
     /// an i8 scale per 16 values, so four per pair: w = d·sc·(q − 32).
@@ -410,7 +419,8 @@ pub unsafe fn quantize_strided<V: Vnni>(x: &[f32], out: *mut QPair, stride: usiz
         let c2 = _mm512_add_epi32(_mm512_unpacklo_epi32(corr, corr), _mm512_unpackhi_epi32(corr, corr));
         let c4 = _mm512_add_epi32(_mm512_unpacklo_epi64(c2, c2), _mm512_unpackhi_epi64(c2, c2));
         _mm512_storeu_si512(pair.corr4.as_mut_ptr() as *mut _, c4);
-        pair.s = [0.0, s[0], 0.0, s[1]];
+        let sx = _mm512_permutexvar_ps(scale_index(V::LAYOUT), _mm512_castps128_ps512(_mm_set_ps(0.0, s[1], 0.0, s[0])));
+        _mm512_storeu_ps(pair.sx.as_mut_ptr(), sx);
     }
 }
 
@@ -424,29 +434,7 @@ unsafe fn insert_128(v: __m512i, part: __m128i, at: usize) -> __m512i {
     }
 }
 
-/// Adds one row's product with one pair: f32 `acc` += Σ_lanes d_w·d_x·(integer dot), and the
-/// min term into `macc`.
-#[inline(always)]
-pub(super) unsafe fn pair_dot<V: Vnni>(w: *const u8, p: usize, two: bool, xp: &QPair, acc: &mut __m512, macc: &mut __m128) {
-    let (wq, dw, m) = V::load_pair(w, p, two);
-    loaded_pair_dot::<V>(wq, dw, m, xp, acc, macc)
-}
-
-/// `pair_dot` of a weight pair already loaded by `V::load_pair` (`vnni_batch` loads each pair
-/// once for several tokens; one function keeps the arithmetic identical).
-#[inline(always)]
-pub(super) unsafe fn loaded_pair_dot<V: Vnni>(wq: __m512i, dw: __m512, m: __m128, xp: &QPair, acc: &mut __m512, macc: &mut __m128) {
-    let xq = _mm512_load_si512(xp.q.as_ptr() as *const _);
-    // Formats without an offset have a zero correction: no load (same sums).
-    let corr = if V::OFFSET == 0 { _mm512_setzero_si512() } else { _mm512_load_si512(xp.corr.as_ptr() as *const _) };
-    let isum = _mm512_dpbusd_epi32(corr, wq, xq);
-    let scale = _mm512_mul_ps(dw, _mm512_load_ps(xp.dx.as_ptr()));
-    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
-    if V::MIN {
-        *macc = _mm_fmadd_ps(m, _mm_load_ps(xp.s.as_ptr()), *macc);
-    }
-}
-
+/// The sum of an accumulator's lanes and of a min-term accumulator's.
 #[inline(always)]
 pub(super) unsafe fn finish(acc: __m512, macc: __m128) -> f32 {
     let m = _mm_add_ps(macc, _mm_movehl_ps(macc, macc));
@@ -472,72 +460,6 @@ pub(super) fn prefetch_distance(group: usize) -> usize {
 #[inline(always)]
 pub(super) unsafe fn prefetch(p: *const u8) {
     _mm_prefetch::<_MM_HINT_T2>(p as *const i8);
-}
-
-/// Adds row `row`'s products with every pair of `xq` into `acc[i]`, `macc[i]` for the `R` rows
-/// at `row + i·row_bytes`, sharing each pair's activation loads.
-#[inline(always)]
-unsafe fn rows_dot<V: Vnni, const R: usize>(row: *const u8, row_bytes: usize, xq: &[QPair], odd: bool) -> [f32; R] {
-    let mut acc = [_mm512_setzero_ps(); R];
-    let mut macc = [_mm_setzero_ps(); R];
-    let full = xq.len() - odd as usize;
-    let ahead = prefetch_distance(R * row_bytes);
-    if V::N == 32 {
-        for p in 0..full {
-            for i in 0..R {
-                let at = row.add(i * row_bytes + 2 * p * V::BYTES);
-                prefetch(at.wrapping_add(ahead));
-                pair_dot::<V>(at, 0, true, &xq[p], &mut acc[i], &mut macc[i]);
-            }
-        }
-        if odd {
-            for i in 0..R {
-                pair_dot::<V>(row.add(i * row_bytes + 2 * full * V::BYTES), 0, false, &xq[full], &mut acc[i], &mut macc[i]);
-            }
-        }
-    } else {
-        let per_block = V::N / 64;
-        for (blk, pairs) in xq.chunks_exact(per_block).enumerate() {
-            let mut scales = [_mm512_setzero_ps(); R];
-            for (i, s) in scales.iter_mut().enumerate() {
-                *s = V::block_scales(row.add(i * row_bytes + blk * V::BYTES));
-            }
-            for (p, xp) in pairs.iter().enumerate() {
-                for i in 0..R {
-                    let at = row.add(i * row_bytes + blk * V::BYTES);
-                    prefetch(at.wrapping_add(ahead + p * V::BYTES / per_block));
-                    let (wq, dw, m) = V::load_pair_scaled(at, p, true, scales[i]);
-                    loaded_pair_dot::<V>(wq, dw, m, xp, &mut acc[i], &mut macc[i]);
-                }
-            }
-        }
-    }
-    std::array::from_fn(|i| finish(acc[i], macc[i]))
-}
-
-/// y[r] = W[r] · x for rows `rows`, with `xq` = `quantize::<V>(x)`, four rows at a time sharing
-/// the activation loads.
-///
-/// # Safety
-/// `available()`; `w` holds whole rows of `cols / N` blocks; `xq` was quantized from `cols`
-/// values for this `V`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn gemv<V: Vnni>(w: &[u8], cols: usize, xq: &[QPair], rows: std::ops::Range<usize>, y: &mut impl FnMut(usize, f32)) {
-    assert!(cols % V::N == 0 && (V::N == 32 || V::N % 64 == 0));
-    let row_bytes = cols / V::N * V::BYTES;
-    let odd = cols % 64 == 32;
-    assert!(w.len() >= rows.end * row_bytes && xq.len() == cols.div_ceil(64));
-    let mut r = rows.start;
-    while r + 4 <= rows.end {
-        let out = rows_dot::<V, 4>(w.as_ptr().add(r * row_bytes), row_bytes, xq, odd);
-        for (i, v) in out.into_iter().enumerate() {
-            y(r + i, v);
-        }
-        r += 4;
-    }
-    for r in r..rows.end {
-        y(r, rows_dot::<V, 1>(w.as_ptr().add(r * row_bytes), row_bytes, xq, odd)[0]);
-    }
 }
 
 #[cfg(test)]
@@ -569,7 +491,7 @@ pub(super) mod tests {
         unsafe { quantize::<V>(&x, &mut xq) };
         let mut got = vec![0f32; rows];
         // SAFETY: as above; `w` holds `rows` whole rows.
-        unsafe { gemv::<V>(&w, cols, &xq, 0..rows, &mut |r, v| got[r] = v) };
+        unsafe { super::super::vnni_gemm::gemv::<V>(&w, cols, &xq, 0..rows, &mut |r, v| got[r] = v) };
         for r in 0..rows {
             let row = &wd[r * cols..(r + 1) * cols];
             let exact: f64 = row.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();

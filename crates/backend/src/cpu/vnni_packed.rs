@@ -136,7 +136,7 @@ mod tests {
         v.iter().map(|v| v.to_bits()).collect()
     }
 
-    /// Repacked rows dequantize to the source's values, and `vnni::gemv` and `vnni_gemm::gemm`
+    /// Repacked rows dequantize to the source's values, and `vnni_gemm::gemv` and `vnni_gemm::gemm`
     /// on them equal the same kernels on the file's layout bit for bit.
     fn check<R: Repacked>(rows: usize, cols: usize) {
         if !available() {
@@ -172,8 +172,8 @@ mod tests {
             vnni_gemm::gemm::<S<R>>(&w, cols, &xq, t, 0..rows, a.as_mut_ptr(), rows);
             vnni_gemm::gemm::<R>(packed, cols, &xq, t, 0..rows, b.as_mut_ptr(), rows);
             vnni::quantize::<R>(&x[..cols], &mut one);
-            vnni::gemv::<S<R>>(&w, cols, &one, 0..rows, &mut |r, v| ga[r] = v);
-            vnni::gemv::<R>(packed, cols, &one, 0..rows, &mut |r, v| gb[r] = v);
+            vnni_gemm::gemv::<S<R>>(&w, cols, &one, 0..rows, &mut |r, v| ga[r] = v);
+            vnni_gemm::gemv::<R>(packed, cols, &one, 0..rows, &mut |r, v| gb[r] = v);
         }
         assert_eq!(bits(&a), bits(&b), "gemm");
         assert_eq!(bits(&ga), bits(&gb), "gemv");

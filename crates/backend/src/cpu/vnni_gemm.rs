@@ -150,15 +150,18 @@ struct Shape {
     /// grouped layout: TOKENS and 1; decode's token-major rows: 1 and `pairs`).
     pair_stride: usize,
     token_stride: usize,
-    /// Prefetch the weights ahead (decode reads each weight once and waits on memory).
-    prefetch: bool,
+    /// How far ahead to prefetch the weights (decode reads each weight once and waits on
+    /// memory; 0 for prefill: computed once here, not per tile).
+    ahead: usize,
 }
 
 impl Shape {
     fn new(cols: usize, bytes_per_block: usize, n: usize, token_major: bool) -> Self {
         let pairs = cols.div_ceil(64);
         let (pair_stride, token_stride) = if token_major { (1, pairs) } else { (TOKENS, 1) };
-        Self { row_bytes: cols / n * bytes_per_block, pairs, odd: cols % 64 == 32, pair_stride, token_stride, prefetch: token_major }
+        let row_bytes = cols / n * bytes_per_block;
+        let ahead = if token_major { super::vnni::prefetch_distance(4 * row_bytes) } else { 0 };
+        Self { row_bytes, pairs, odd: cols % 64 == 32, pair_stride, token_stride, ahead }
     }
 }
 
@@ -241,7 +244,6 @@ struct Rows4<'a, V> {
     s: &'a Shape,
     /// Each row's `V::block_scales` of its current block (K formats).
     scales: [__m512; 4],
-    ahead: usize,
     _format: std::marker::PhantomData<V>,
 }
 
@@ -256,12 +258,11 @@ struct Pair4 {
 impl<'a, V: Vnni> Rows4<'a, V> {
     #[inline(always)]
     unsafe fn new(w: *const u8, nr: usize, s: &'a Shape) -> Self {
-        let ahead = if s.prefetch { super::vnni::prefetch_distance(4 * s.row_bytes) } else { 0 };
         let mut rows = [w; 4];
         for (i, r) in rows.iter_mut().enumerate() {
             *r = w.add(i.min(nr - 1) * s.row_bytes);
         }
-        Self { rows, s, scales: [_mm512_setzero_ps(); 4], ahead, _format: std::marker::PhantomData }
+        Self { rows, s, scales: [_mm512_setzero_ps(); 4], _format: std::marker::PhantomData }
     }
 
     #[inline(always)]
@@ -278,9 +279,9 @@ impl<'a, V: Vnni> Rows4<'a, V> {
                 self.scales = transpose_rows(self.scales);
             }
         }
-        if self.ahead != 0 {
+        if s.ahead != 0 {
             for row in self.rows {
-                super::vnni::prefetch(row.add(at).wrapping_add(self.ahead + of_block * V::BYTES / per_block));
+                super::vnni::prefetch(row.add(at).wrapping_add(s.ahead + of_block * V::BYTES / per_block));
             }
         }
         let two = !(V::N == 32 && s.odd && p + 1 == s.pairs);

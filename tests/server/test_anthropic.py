@@ -142,7 +142,10 @@ def test_prefill_continues_the_answer(claude):
     full = text_of(create(claude, max_tokens=16))
     head = " ".join(full.split()[:3])
     r = create(claude, max_tokens=13, messages=ASK + [{"role": "assistant", "content": head}])
-    assert (head + text_of(r)).startswith(full[:len(head) + 8])
+    # The answer goes on from the prefilled words (the next word is the unprefilled answer's);
+    # after that a near-tie may go either way, since the prefilled words come from the prompt's
+    # forward, not from decode steps (SmolLM2: "a vast expanse" / "a vast, mysterious").
+    assert (head + text_of(r)).split()[:4] == full.split()[:4]
 
 
 def test_stream_event_order(server, claude):

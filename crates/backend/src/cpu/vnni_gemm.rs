@@ -286,10 +286,11 @@ impl<'a, V: Vnni> Rows4<'a, V> {
         }
         let two = !(V::N == 32 && s.odd && p + 1 == s.pairs);
         let mut wq = [_mm512_setzero_si512(); 4];
-        let mut dw = [_mm512_setzero_ps(); 4];
         let mut dm = [_mm_setzero_ps(); 4];
         for i in 0..4 {
-            (wq[i], dw[i], dm[i]) = V::load_pair_scaled(self.rows[i].add(at), of_block, two, self.scales[i]);
+            // The per-lane scales `load_pair` also returns are not needed: the four rows' scales
+            // come from `dm` or the block scales below (the compiler drops their permutes).
+            (wq[i], _, dm[i]) = V::load_pair_scaled(self.rows[i].add(at), of_block, two, self.scales[i]);
         }
         if V::SUB_BLOCK_SCALES {
             let (dw4, mins) = sub_block_pair(&self.scales, of_block);

@@ -5,8 +5,10 @@
 
 mod common;
 
-use ferrolm_core::{CancelToken, FillPlan, FillStats, GenerateParams, GenerationStats, SamplingParams, TokenEvent};
-use ferrolm_engine::{bundle, fill, Batch, BatchConfig, Bundle, Flow, SeqRequest, Sink};
+use common::record::{Out, Rec};
+
+use ferrolm_core::{CancelToken, FillPlan, FillStats, GenerateParams, SamplingParams};
+use ferrolm_engine::{bundle, fill, Batch, BatchConfig, Bundle, SeqRequest};
 use ferrolm_sample::{Sampler, SamplerConfig};
 use ferrolm_text::RenderOptions;
 use serde_json::Value;
@@ -15,26 +17,6 @@ use std::rc::Rc;
 use std::time::Instant;
 
 const MODEL: &str = "qwen2.5-coder-0.5b-instruct-Q4_K_M.gguf";
-
-/// (token, logprob bits) per generated token, and the end's stats.
-#[derive(Default)]
-struct Out {
-    trace: Vec<(u32, u32)>,
-    stats: Option<GenerationStats>,
-}
-
-struct Rec(Rc<RefCell<Out>>);
-
-impl Sink for Rec {
-    fn token(&mut self, e: TokenEvent) -> Flow {
-        self.0.borrow_mut().trace.push((e.token, e.logprobs.map_or(0, |l| l.logprob.to_bits())));
-        Flow::Continue
-    }
-
-    fn finish(&mut self, outcome: Result<GenerationStats, String>) {
-        self.0.borrow_mut().stats = Some(outcome.unwrap());
-    }
-}
 
 struct Turn {
     name: String,

@@ -18,6 +18,7 @@ mod sampler;
 pub mod scheduler;
 mod seq;
 pub mod service;
+mod spans;
 pub mod spec;
 mod step;
 
@@ -30,5 +31,5 @@ pub use graph_decode::{DecodePath, GraphDecoder};
 pub use sampler::{Sampled, TokenSampler};
 pub use seq::{SeqRequest, Sink};
 pub use service::{Durable, EngineConfig, EngineHandle, Event, Request, SubmitError};
-pub use spec::{DraftModelProposer, NgramProposer, Proposer, SpecConfig};
+pub use spec::{draft_together, DraftCache, DraftJob, DraftModelProposer, NgramProposer, Proposal, Proposer, SpecConfig};
 pub use step::{Batch, StepReport};

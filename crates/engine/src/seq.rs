@@ -6,7 +6,7 @@ use crate::constraint::TokenConstraint;
 use crate::fill::{Fill, Policy};
 use crate::sampler::TokenSampler;
 use crate::scheduler::{SeqView, Want};
-use crate::spec::{Proposer, SpecStats};
+use crate::spec::{DraftJob, Proposal, Proposer, SpecStats};
 use crate::Flow;
 use candle_core::Tensor;
 use ferrolm_core::{CancelToken, FinishReason, GenerateParams, GenerationStats, TokenEvent, TokenId};
@@ -69,6 +69,9 @@ pub struct Sequence<'a> {
     /// (adapted to what was accepted), the decode rows being forwarded, and the counters.
     proposer: Option<Box<dyn Proposer + 'a>>,
     drafts: Vec<TokenId>,
+    /// This step's request for the draft model's guesses (max, min_p): the step's batched draft
+    /// forward fills `drafts` (`draft_job`).
+    model_request: Option<(usize, Option<f32>)>,
     gamma: usize,
     max_gamma: usize,
     rows: Vec<TokenId>,
@@ -111,6 +114,7 @@ impl<'a> Sequence<'a> {
             followers: Vec::new(),
             proposer: None,
             drafts: Vec::new(),
+            model_request: None,
             gamma: 0,
             max_gamma: 0,
             rows: Vec::new(),
@@ -215,6 +219,7 @@ impl<'a> Sequence<'a> {
     pub fn propose(&mut self) {
         self.drafts.clear();
         self.drafts_from = None;
+        self.model_request = None;
         if (self.proposer.is_none() && self.fill.is_none()) || !self.is_decoding() {
             return;
         }
@@ -223,8 +228,19 @@ impl<'a> Sequence<'a> {
         if let Some((span, policy)) = self.fill.as_mut().and_then(|f| f.propose(&self.tokens, limit, copy)) {
             (self.drafts, self.drafts_from) = (span, Some(policy));
         } else if let Some(p) = self.proposer.as_mut() {
-            self.drafts = p.propose(&self.tokens, limit.min(self.gamma));
+            match p.plan(&self.tokens, limit.min(self.gamma)) {
+                Proposal::Drafts(drafts) => self.drafts = drafts,
+                Proposal::Model { max, min_p } => self.model_request = Some((max, min_p)),
+            }
         }
+    }
+
+    /// This step's request for draft-model guesses, if it made one: the draft model's cache of
+    /// this sequence, its tokens, and where the guesses go (its drafts).
+    pub fn draft_job(&mut self) -> Option<DraftJob<'_>> {
+        let (max, min_p) = self.model_request.take()?;
+        let cache = self.proposer.as_mut()?.draft_cache()?;
+        Some(DraftJob { cache, history: &self.tokens, max, min_p, drafts: &mut self.drafts })
     }
 
     /// Whether fill would append a span the request determines after the tokens so far.

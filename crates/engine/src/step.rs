@@ -274,6 +274,7 @@ impl<'a> Batch<'a> {
         self.fork_ready();
         report.preempted = self.preempt();
         self.running.iter_mut().for_each(Sequence::propose);
+        self.draft_together();
         if !self.captured_greedy(interrupted) {
             let plan = scheduler::plan(&self.cfg, &self.views());
             (report.seqs, report.tokens) = (plan.decode.len() + plan.prompt.len(), plan.tokens());
@@ -285,6 +286,20 @@ impl<'a> Batch<'a> {
         }
         self.retire(&mut report);
         report
+    }
+
+    /// The draft model's guesses for every sequence that asked for them this step, batched:
+    /// one draft forward per guess over all of them (`spec::draft_together`).
+    fn draft_together(&mut self) {
+        let Some(model) = self.draft else { return };
+        let mut jobs: Vec<_> = self.running.iter_mut().filter_map(Sequence::draft_job).collect();
+        if jobs.is_empty() {
+            return;
+        }
+        if let Err(e) = crate::spec::draft_together(model, &mut jobs) {
+            tracing::warn!("draft model: {e}; no drafts this step");
+            jobs.iter_mut().for_each(|j| j.drafts.clear());
+        }
     }
 
     /// Writes every durable sequence's emitted tokens to its log now (graceful shutdown).
@@ -391,34 +406,28 @@ impl<'a> Batch<'a> {
         }
     }
 
-    /// One `forward_hidden` over the plan's rows (decode sequences first), logits for the
+    /// One `forward_hidden` over the plan's rows (`spans::forward_spans`), logits for the
     /// decode rows, each sequence's sampled (and its drafts verified) by itself.
     fn forward_and_sample(&mut self, plan: &Plan) -> candle_core::Result<()> {
-        let hidden = {
-            // Per running sequence: None (not in this step), Some(Row::Decode(n)) or
-            // Some(Row::Prompt(n)).
-            let mut rows: Vec<Option<Rows>> = vec![None; self.running.len()];
-            plan.decode.iter().for_each(|&(i, n)| rows[i] = Some(Rows::Decode(n)));
-            plan.prompt.iter().for_each(|&(i, n)| rows[i] = Some(Rows::Prompt(n)));
-            let (mut decode, mut prompt) = (Vec::new(), Vec::new());
-            for (seq, rows) in self.running.iter_mut().zip(rows) {
-                match rows {
-                    Some(Rows::Decode(n)) => decode.push(seq.input(Rows::Decode(n))),
-                    Some(Rows::Prompt(n)) => prompt.push(seq.input(Rows::Prompt(n))),
-                    None => {}
-                }
-            }
-            decode.append(&mut prompt);
-            self.model.forward_hidden(&mut decode)?
+        // Per running sequence: None (not in this step) or its rows.
+        let mut rows: Vec<Option<Rows>> = vec![None; self.running.len()];
+        plan.decode.iter().for_each(|&(i, n)| rows[i] = Some(Rows::Decode(n)));
+        plan.prompt.iter().for_each(|&(i, n)| rows[i] = Some(Rows::Prompt(n)));
+        let (hidden, first) = {
+            let (index, spans): (Vec<usize>, Vec<_>) =
+                self.running.iter_mut().zip(&rows).enumerate().filter_map(|(i, (seq, r))| r.map(|r| (i, seq.input(r)))).unzip();
+            let (hidden, first) = crate::spans::forward_spans(self.model, spans)?;
+            let mut by_seq = vec![None; self.running.len()];
+            index.into_iter().zip(first).for_each(|(i, f)| by_seq[i] = f);
+            (hidden, by_seq)
         };
         if plan.decode.is_empty() {
             return Ok(());
         }
         let logits = self.model.project_logits(&hidden)?;
         let argmax = self.batch_argmax(&logits, plan)?;
-        let mut first = 0;
         for &(i, n) in &plan.decode {
-            let seq = &mut self.running[i];
+            let (seq, first) = (&mut self.running[i], first[i].expect("a decode span"));
             match &argmax {
                 Some(tokens) if seq.samples_plain_argmax() => seq.deliver_argmax(tokens[first + n - 1]),
                 _ => {
@@ -427,7 +436,6 @@ impl<'a> Batch<'a> {
                     }
                 }
             }
-            first += n;
         }
         Ok(())
     }

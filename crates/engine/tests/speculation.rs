@@ -6,10 +6,11 @@ mod common;
 use common::record::{request_with, Out};
 use common::*;
 use ferrolm_core::SamplingParams;
-use ferrolm_engine::{Batch, BatchConfig, DraftModelProposer, Proposer, SpecConfig};
-use ferrolm_models::CausalLm;
+use ferrolm_engine::{draft_together, Batch, BatchConfig, DraftCache, DraftJob, DraftModelProposer, Proposer, SpecConfig};
+use ferrolm_models::{CausalLm, RowKind, SeqInput};
 use std::cell::RefCell;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Runs `prompts` together (or one by one when `together` is false) and returns each output
 /// and the number of steps taken.
@@ -100,20 +101,105 @@ fn prompt_lookup_on_qwen2() {
     check("qwen2.5-coder-0.5b-instruct-Q4_K_M.gguf", "qwen2.5-coder-0.5b-instruct-Q4_K_M.json");
 }
 
+/// A model that counts, per forward, the decode spans it was given (how many sequences a
+/// draft step guessed for at once): the real model underneath does the work.
+struct CountingSpans<'m> {
+    inner: &'m dyn CausalLm,
+    most_decode_spans: AtomicUsize,
+    forwards: AtomicUsize,
+}
+
+impl CausalLm for CountingSpans<'_> {
+    fn info(&self) -> &ferrolm_models::ModelInfo {
+        self.inner.info()
+    }
+    fn device(&self) -> &candle_core::Device {
+        self.inner.device()
+    }
+    fn make_cache(&self) -> ferrolm_kv::SeqCache {
+        self.inner.make_cache()
+    }
+    fn forward_hidden(&self, batch: &mut [SeqInput<'_>]) -> candle_core::Result<candle_core::Tensor> {
+        let spans = batch.iter().filter(|s| s.kind == RowKind::Decode).count();
+        self.most_decode_spans.fetch_max(spans, Ordering::Relaxed);
+        self.forwards.fetch_add(1, Ordering::Relaxed);
+        self.inner.forward_hidden(batch)
+    }
+    fn project_logits(&self, hidden: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+        self.inner.project_logits(hidden)
+    }
+}
+
 /// A draft model (here a second copy of the model itself), with prompt lookup first and the gate
-/// that rests the model where it does not pay (`--draft-model`): the same output, alone and batched.
+/// that rests the model where it does not pay (`--draft-model`): the same output, alone and
+/// batched; batched, the draft guesses for several sequences in one forward, and needs fewer
+/// forwards than the sequences alone.
 #[test]
 fn a_draft_model_gives_plain_decoding_s_output() {
     let (Some(model), Some(draft)) = (open_model("SmolLM2-135M-Instruct.Q4_1.gguf"), open_model("SmolLM2-135M-Instruct.Q4_1.gguf")) else { return };
     let ps = prompts("SmolLM2-135M-Instruct.Q4_1.json");
     let spec = Some(SpecConfig { max_drafts: 4, ngram_min: 2, ngram_max: 4 });
     let (plain, _) = run(model.as_ref(), &ps, None, false);
+    let mut forwards = Vec::new();
     for together in [false, true] {
-        let (fast, _) = run_with(model.as_ref(), Some(draft.as_ref()), &ps, spec, together);
+        let counted = CountingSpans { inner: draft.as_ref(), most_decode_spans: AtomicUsize::new(0), forwards: AtomicUsize::new(0) };
+        let (fast, _) = run_with(model.as_ref(), Some(&counted), &ps, spec, together);
         for (i, (a, b)) in plain.iter().zip(&fast).enumerate() {
             assert!(a.trace == b.trace, "prompt {i} (batched: {together}) differs with a draft model");
             let s = b.stats.as_ref().unwrap();
             assert!(s.drafted_tokens > 0 && s.accepted_tokens > 0, "prompt {i}: {} of {} accepted", s.accepted_tokens, s.drafted_tokens);
+        }
+        let most = counted.most_decode_spans.load(Ordering::Relaxed);
+        assert_eq!(most > 1, together, "batched: {together}: at most {most} sequences in a draft forward");
+        forwards.push(counted.forwards.load(Ordering::Relaxed));
+    }
+    eprintln!("draft forwards: {} one sequence at a time, {} batched", forwards[0], forwards[1]);
+}
+
+/// The draft model guesses for several sequences at once (`draft_together`: one forward per
+/// guess over all of them) exactly what it guesses for each alone; a self-draft's guesses are
+/// the target's greedy tokens. The sequences differ in length and in the state of their draft
+/// caches: fresh (the prompt caught up as prompt rows), and realigned after a verification that
+/// kept part of the guesses (a short catch-up in decode rows) or went elsewhere (a trim).
+#[test]
+fn the_draft_model_guesses_for_several_sequences_together_as_for_each_alone() {
+    let Some(model) = open_model("SmolLM2-135M-Instruct.Q4_1.gguf") else { return };
+    let model = model.as_ref();
+    let fixture = load_fixture("SmolLM2-135M-Instruct.Q4_1.json");
+    let prompts: Vec<Vec<u32>> = fixture.prompts.iter().take(4).map(|p| p.prompt_ids.clone()).collect();
+    let truth: Vec<Vec<u32>> = prompts.iter().map(|p| greedy_after(model, p, 12)).collect();
+    // Each sequence's histories over three rounds: the prompt; three guesses kept and the
+    // target's own fourth token; (even ones) a token other than the greedy one after the first.
+    let history = |i: usize, round: usize| -> Vec<u32> {
+        let (p, t) = (&prompts[i], &truth[i]);
+        match (round, i % 2) {
+            (0, _) => p.clone(),
+            (1, _) => p.iter().chain(&t[..4]).copied().collect(),
+            (_, 0) => p.iter().chain(&t[..1]).chain(&[t[1] ^ 1]).copied().collect(),
+            _ => p.iter().chain(&t[..5]).copied().collect(),
+        }
+    };
+    let (mut together, mut alone): (Vec<DraftCache>, Vec<DraftModelProposer>) =
+        prompts.iter().map(|_| (DraftCache::new(model), DraftModelProposer::model_only(model))).unzip();
+    for round in 0..3 {
+        let histories: Vec<Vec<u32>> = (0..prompts.len()).map(|i| history(i, round)).collect();
+        // Different numbers of guesses, so that sequences leave the batched forwards at different steps.
+        let max = |i: usize| 3 + i;
+        let mut outs = vec![Vec::new(); prompts.len()];
+        let mut jobs: Vec<DraftJob> = together
+            .iter_mut()
+            .zip(&histories)
+            .zip(outs.iter_mut())
+            .enumerate()
+            .map(|(i, ((cache, history), drafts))| DraftJob { cache, history, max: max(i), min_p: None, drafts })
+            .collect();
+        draft_together(model, &mut jobs).unwrap();
+        for (i, h) in histories.iter().enumerate() {
+            assert_eq!(outs[i], alone[i].propose(h, max(i)), "round {round}, sequence {i}: batched guesses differ from its guesses alone");
+            if round < 2 || i % 2 == 1 {
+                let kept = h.len() - prompts[i].len();
+                assert_eq!(outs[i], truth[i][kept..kept + max(i)], "round {round}, sequence {i}: not the target's greedy tokens");
+            }
         }
     }
 }

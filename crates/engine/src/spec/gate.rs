@@ -3,13 +3,21 @@
 //! On a CPU drafts are not free: each verified row adds about 0.3–0.5 of a decode to the
 //! target's forward (the multi-row products and every row's attention are arithmetic, not
 //! weight reads, and a busy machine has less of it to spare), and a draft model's guess is a
-//! decode of the draft (a 0.5B draft costs about 0.4 of a 1.5B target's decode on the 2-core dev
-//! machine). Whether drafting wins depends on acceptance, which the text decides: high on an
-//! edit that copies its input, low in open chat. So the gate times two ways of drafting on the
-//! sequence itself — the proposer's full drafting and its lean fallback (the draft model: prompt
-//! lookup alone; prompt lookup: no drafts) — in alternating phases of steps, keeps the one that
-//! gave more tokens per second, and tries the other again now and then (less often while it
-//! keeps losing). Only speed depends on it: every emitted token is the sampler's own draw.
+//! forward of the draft (a 0.5B draft costs about 0.4 of a 1.5B target's decode on the 2-core
+//! dev machine). Whether drafting wins depends on acceptance, which the text decides: high on an
+//! edit that copies its input, low in open chat.
+//!
+//! So the gate weighs, on the sequence itself, the steps whose drafts came from the drafting
+//! under test (the draft model's guesses; prompt lookup's matches) against plain steps (no
+//! drafts): the tested steps pay when the tokens they gave, each worth a plain step's time,
+//! outweigh the time they took (drafting included): `tokens × plain step > their time`. That
+//! is measured acceptance times the measured target step against the measured drafting and
+//! verification, so a verdict comes after a few tested steps (`VERDICT_STEPS`) instead of whole
+//! phases of each mode. Steps whose drafts came from elsewhere (prompt lookup beside the draft
+//! model, the same in both modes) are not weighed. Once the tested drafting loses, it rests for
+//! a while, twice as long each time it loses again (`FIRST_REST` up to `MAX_REST` steps), and is
+//! then probed again; while it wins, every tested step keeps the verdict current. Only speed
+//! depends on the gate: every emitted token is still the sampler's own draw.
 
 use std::time::Instant;
 
@@ -24,124 +32,161 @@ pub enum DraftMode {
     Lean,
 }
 
-impl DraftMode {
-    fn index(self) -> usize {
-        self as usize
-    }
+/// What a step drafted, told to the gate at the next step.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepNote {
+    /// Its drafts (or its attempt, when the draft model guessed nothing) came from the drafting
+    /// the gate weighs.
+    pub tested: bool,
+    /// How many drafts were verified.
+    pub drafts: usize,
+    /// Seconds spent drafting them (the draft model's forwards).
+    pub draft_secs: f64,
+    /// Seconds of the step to leave out: a draft model catching up on the tokens it missed
+    /// while it rested (a cost of resting, paid once, not of each guess).
+    pub excluded_secs: f64,
+}
 
-    fn other(self) -> Self {
-        match self {
-            Self::Full => Self::Lean,
-            Self::Lean => Self::Full,
-        }
+/// Tested steps measured before a verdict.
+const VERDICT_STEPS: usize = 3;
+/// Steps of rest after the first loss; doubled after each further loss, up to `MAX_REST`.
+const FIRST_REST: usize = 32;
+const MAX_REST: usize = 1024;
+/// Tested steps that must pay in a row before the rest after a loss starts short again.
+const WINS_TO_FORGIVE: usize = 16;
+/// Weight of the older steps in the running sums (each new step multiplies them by it): about
+/// the last eight steps count.
+const DECAY: f64 = 0.875;
+/// Plain steps measured before the draft model is first tried (`plain_first`).
+const PLAIN_FIRST: usize = 3;
+
+/// Decaying sums over steps of one kind.
+#[derive(Clone, Copy, Debug, Default)]
+struct Tally {
+    steps: f64,
+    tokens: f64,
+    secs: f64,
+    /// Of `secs`: drafting.
+    draft_secs: f64,
+}
+
+impl Tally {
+    fn add(&mut self, tokens: usize, secs: f64, draft_secs: f64) {
+        let d = DECAY;
+        *self = Self {
+            steps: self.steps * d + 1.0,
+            tokens: self.tokens * d + tokens as f64,
+            secs: self.secs * d + secs,
+            draft_secs: self.draft_secs * d + draft_secs,
+        };
     }
 }
 
-/// Steps a mode is measured for when it is tried.
-const PROBE_STEPS: usize = 12;
-/// Steps the better mode runs before the other is tried again, at first; doubled each time the
-/// same mode wins, up to `MAX_EXPLOIT_STEPS`.
-const EXPLOIT_STEPS: usize = 32;
-const MAX_EXPLOIT_STEPS: usize = 512;
-
-/// Whether a phase measures a mode that is being tried or runs the faster one.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Phase {
-    Probe,
-    Exploit,
-}
-
-/// Chooses the draft mode of one sequence from the tokens per second each mode gave it.
+/// Chooses the draft mode of one sequence from what its tested and plain steps cost and gave.
 #[derive(Debug)]
 pub struct DraftGate {
     mode: DraftMode,
-    phase: Phase,
-    /// Steps left in the current phase.
+    /// Lean: steps left to rest (or to measure plain steps first).
     left: usize,
-    /// The length of the next exploitation phase.
-    exploit: usize,
-    /// The mode the last exploitation phase ran.
-    winner: Option<DraftMode>,
+    /// The next rest's length.
+    rest: usize,
+    /// Tested steps that paid in a row.
+    wins: usize,
+    /// Tested steps in the current Full phase.
+    probed: usize,
     /// The previous step's start: when `next` was called and the history's length then.
     last: Option<(Instant, usize)>,
-    /// This phase's time and tokens so far.
-    secs: f64,
-    tokens: usize,
-    /// Tokens per second of each mode, latest phases blended.
-    rate: [Option<f64>; 2],
-}
-
-impl Default for DraftGate {
-    fn default() -> Self {
-        Self {
-            mode: DraftMode::Full,
-            phase: Phase::Probe,
-            left: PROBE_STEPS,
-            exploit: EXPLOIT_STEPS,
-            winner: None,
-            last: None,
-            secs: 0.0,
-            tokens: 0,
-            rate: [None; 2],
-        }
-    }
+    /// Tested steps since the current Full phase began, and plain steps (one row each).
+    tested: Tally,
+    plain: Tally,
 }
 
 impl DraftGate {
-    /// Called once per step before drafting, with the sequence's history length: the time and
-    /// tokens since the previous call are the previous step's, made in the mode then current.
-    /// Returns the mode for this step.
-    pub fn next(&mut self, history_len: usize) -> DraftMode {
-        self.next_at(Instant::now(), history_len)
+    /// Drafting from the first step (prompt lookup: its cost is only the verified rows).
+    pub fn drafting_first() -> Self {
+        Self {
+            mode: DraftMode::Full,
+            left: 0,
+            rest: FIRST_REST,
+            wins: 0,
+            probed: 0,
+            last: None,
+            tested: Tally::default(),
+            plain: Tally::default(),
+        }
     }
 
-    fn next_at(&mut self, now: Instant, history_len: usize) -> DraftMode {
+    /// A few plain steps first, to know what a step costs before the draft model is weighed
+    /// (plain steps cost nothing over plain decoding).
+    pub fn plain_first() -> Self {
+        Self { mode: DraftMode::Lean, left: PLAIN_FIRST, ..Self::drafting_first() }
+    }
+
+    /// Called once per step before drafting, with the sequence's history length and what the
+    /// previous step drafted: the time and tokens since the previous call are that step's.
+    /// Returns the mode for this step.
+    pub fn next(&mut self, history_len: usize, previous: StepNote) -> DraftMode {
+        self.next_at(Instant::now(), history_len, previous)
+    }
+
+    fn next_at(&mut self, now: Instant, history_len: usize, previous: StepNote) -> DraftMode {
         if let Some((then, len)) = self.last {
-            self.secs += now.duration_since(then).as_secs_f64();
-            self.tokens += history_len.saturating_sub(len);
-            self.left = self.left.saturating_sub(1);
-            if self.left == 0 || self.losing() {
-                self.end_phase();
-            }
+            let secs = (now.duration_since(then).as_secs_f64() - previous.excluded_secs).max(0.0);
+            self.record(history_len.saturating_sub(len), secs, previous);
         }
         self.last = Some((now, history_len));
         self.mode
     }
 
-    /// An exploitation that has run a probe's length slower than the other mode's last rate
-    /// (the text changed): it ends early.
-    fn losing(&self) -> bool {
-        let ran = self.exploit.saturating_sub(self.left);
-        let other = self.rate[self.mode.other().index()];
-        self.phase == Phase::Exploit && ran >= PROBE_STEPS && other.is_some_and(|r| self.tokens as f64 / self.secs.max(1e-9) < r)
+    /// Counts a finished step and, in Full, weighs the tested drafting after a tested step; in
+    /// Lean, counts down the rest.
+    fn record(&mut self, tokens: usize, secs: f64, note: StepNote) {
+        if note.drafts == 0 {
+            self.plain.add(1, secs - note.draft_secs, 0.0);
+        }
+        match self.mode {
+            DraftMode::Full if note.tested => {
+                self.tested.add(tokens, secs, note.draft_secs);
+                self.weigh();
+            }
+            DraftMode::Full => {}
+            DraftMode::Lean => {
+                self.left = self.left.saturating_sub(1);
+                if self.left == 0 {
+                    (self.mode, self.tested, self.probed) = (DraftMode::Full, Tally::default(), 0);
+                }
+            }
+        }
     }
 
-    /// Records the phase's rate and starts the next phase: the other mode while it is
-    /// unmeasured; after a probe the faster mode (for longer each time the same one wins);
-    /// after an exploitation a probe of the mode that did not run.
-    fn end_phase(&mut self) {
-        let measured = self.tokens as f64 / self.secs.max(1e-9);
-        // A probe is short (its rate blended with the mode's last); an exploitation long enough to stand alone.
-        let slot = &mut self.rate[self.mode.index()];
-        *slot = Some(match (self.phase, *slot) {
-            (Phase::Probe, Some(r)) => 0.5 * (r + measured),
-            _ => measured,
-        });
-        (self.secs, self.tokens) = (0.0, 0);
-        let (Some(full), Some(lean)) = (self.rate[0], self.rate[1]) else {
-            (self.mode, self.phase, self.left) = (self.mode.other(), Phase::Probe, PROBE_STEPS);
-            return;
-        };
-        if self.phase == Phase::Exploit {
-            (self.mode, self.phase, self.left) = (self.mode.other(), Phase::Probe, PROBE_STEPS);
+    /// After enough tested steps: rests the drafting when it does not pay.
+    fn weigh(&mut self) {
+        self.probed += 1;
+        if self.probed < VERDICT_STEPS {
             return;
         }
-        let best = if full >= lean { DraftMode::Full } else { DraftMode::Lean };
-        self.exploit = match self.winner == Some(best) {
-            true => (self.exploit * 2).min(MAX_EXPLOIT_STEPS),
-            false => EXPLOIT_STEPS,
+        if self.pays() {
+            self.wins += 1;
+            if self.wins >= WINS_TO_FORGIVE {
+                self.rest = FIRST_REST;
+            }
+            return;
+        }
+        (self.mode, self.left, self.wins) = (DraftMode::Lean, self.rest, 0);
+        self.rest = (self.rest * 2).min(MAX_REST);
+    }
+
+    /// Whether the tested steps gave more tokens per second than plain steps do: their tokens,
+    /// each worth a plain step, against their time. Before any plain step is measured, a plain
+    /// step is taken to cost what the tested steps' verification did (more than it does: a
+    /// verdict against the drafting is then certain, one for it provisional).
+    fn pays(&self) -> bool {
+        let t = &self.tested;
+        let plain_step = match self.plain.steps > 0.5 {
+            true => self.plain.secs / self.plain.steps,
+            false => (t.secs - t.draft_secs) / t.steps,
         };
-        (self.mode, self.phase, self.left, self.winner) = (best, Phase::Exploit, self.exploit, Some(best));
+        t.tokens * plain_step > t.secs
     }
 }
 
@@ -150,48 +195,84 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    impl DraftGate {
-        /// The mode of the current step (the engine reads it from `next`).
-        fn mode(&self) -> DraftMode {
-            self.mode
-        }
+    /// A step as the gate sees it: tokens gained, seconds, drafting seconds, drafts.
+    #[derive(Clone, Copy)]
+    struct Step {
+        tokens: usize,
+        secs: f64,
+        draft_secs: f64,
+        drafts: usize,
     }
 
-    /// Steps of `mode_rates` tokens per second (one token per step) and the modes chosen.
-    fn run(gate: &mut DraftGate, steps: usize, rate: impl Fn(DraftMode) -> f64) -> Vec<DraftMode> {
-        let mut now = Instant::now();
-        let mut len = 0;
-        let mut modes = Vec::new();
+    /// Runs `steps` steps; `step(mode)` says what a step in that mode gives. Returns the modes.
+    fn run(gate: &mut DraftGate, steps: usize, step: impl Fn(DraftMode) -> Step) -> Vec<DraftMode> {
+        let (mut now, mut len, mut note, mut modes) = (Instant::now(), 0, StepNote::default(), Vec::new());
         for _ in 0..steps {
-            let mode = gate.next_at(now, len);
+            let mode = gate.next_at(now, len, note);
+            let s = step(mode);
             modes.push(mode);
-            now += Duration::from_secs_f64(1.0 / rate(mode));
-            len += 1;
+            note = StepNote {
+                tested: mode == DraftMode::Full,
+                drafts: s.drafts,
+                draft_secs: s.draft_secs,
+                excluded_secs: 0.0,
+            };
+            now += Duration::from_secs_f64(s.secs);
+            len += s.tokens;
         }
         modes
     }
 
-    #[test]
-    fn keeps_the_faster_mode_and_tries_the_other_less_and_less() {
-        let mut gate = DraftGate::default();
-        let modes = run(&mut gate, 1000, |m| if m == DraftMode::Lean { 30.0 } else { 20.0 });
-        // The first probes: the model, then lookup.
-        assert!(modes[..PROBE_STEPS].iter().all(|&m| m == DraftMode::Full));
-        assert!(modes[PROBE_STEPS..2 * PROBE_STEPS].iter().all(|&m| m == DraftMode::Lean));
-        let model = modes.iter().filter(|&&m| m == DraftMode::Full).count();
-        assert!(model < 100, "the slower mode ran {model} of 1000 steps");
-        // Later probes are rarer: the last 500 steps hold at most one probe.
-        let late = modes[500..].iter().filter(|&&m| m == DraftMode::Full).count();
-        assert!(late <= PROBE_STEPS, "{late} model steps late");
+    const PLAIN: Step = Step { tokens: 1, secs: 0.050, draft_secs: 0.0, drafts: 0 };
+    /// The chat case: 3 guesses (0.02 s each) and 2 verified rows (0.02 s each) for 1.8 tokens.
+    const CHAT: Step = Step { tokens: 2, secs: 0.050 + 0.060 + 0.040, draft_secs: 0.060, drafts: 2 };
+    /// The code edit case: 6 guesses, 6 rows, 6 tokens kept.
+    const EDIT: Step = Step { tokens: 7, secs: 0.050 + 0.120 + 0.120, draft_secs: 0.120, drafts: 6 };
+
+    fn count(modes: &[DraftMode], mode: DraftMode) -> usize {
+        modes.iter().filter(|&&m| m == mode).count()
     }
 
     #[test]
-    fn follows_a_change_of_the_faster_mode() {
-        let mut gate = DraftGate::default();
-        run(&mut gate, 200, |m| if m == DraftMode::Full { 40.0 } else { 20.0 });
-        assert_eq!(gate.mode(), DraftMode::Full);
+    fn a_losing_draft_model_is_tried_a_few_steps_and_rested_longer_each_time() {
+        let mut gate = DraftGate::plain_first();
+        let modes = run(&mut gate, 1000, |m| if m == DraftMode::Full { CHAT } else { PLAIN });
+        // Plain steps first, then the verdict after three tested steps.
+        assert!(modes[..PLAIN_FIRST].iter().all(|&m| m == DraftMode::Lean));
+        assert_eq!(count(&modes[..PLAIN_FIRST + 3 + FIRST_REST], DraftMode::Full), 3);
+        let tried = count(&modes, DraftMode::Full);
+        assert!(tried <= 5 * 3, "the losing mode ran {tried} of 1000 steps");
+        // Rests double: the last 500 steps hold at most one probe.
+        assert!(count(&modes[500..], DraftMode::Full) <= 3);
+    }
+
+    #[test]
+    fn a_paying_draft_model_keeps_drafting() {
+        let mut gate = DraftGate::plain_first();
+        let modes = run(&mut gate, 500, |m| if m == DraftMode::Full { EDIT } else { PLAIN });
+        assert_eq!(count(&modes, DraftMode::Lean), PLAIN_FIRST);
+    }
+
+    #[test]
+    fn follows_a_change_of_the_text() {
+        let mut gate = DraftGate::plain_first();
+        run(&mut gate, 100, |m| if m == DraftMode::Full { EDIT } else { PLAIN });
+        assert_eq!(gate.mode, DraftMode::Full);
         // The text changes: the model's guesses stop being taken.
-        let modes = run(&mut gate, 400, |m| if m == DraftMode::Full { 10.0 } else { 20.0 });
+        let modes = run(&mut gate, 40, |m| if m == DraftMode::Full { CHAT } else { PLAIN });
+        assert!(count(&modes[..12], DraftMode::Full) < 12, "still drafting after 12 losing steps");
+        // And back: a probe finds the model paying again, and it stays.
+        let modes = run(&mut gate, 300, |m| if m == DraftMode::Full { EDIT } else { PLAIN });
+        assert_eq!(modes.last(), Some(&DraftMode::Full));
+    }
+
+    #[test]
+    fn without_a_plain_step_a_clear_loss_is_still_seen() {
+        // Prompt lookup from the first step: every step drafts; verification alone as the
+        // plain step's cost still shows that 1.1 tokens per step do not pay 0.1 s of drafting.
+        let mut gate = DraftGate::drafting_first();
+        let bad = Step { tokens: 1, secs: 0.2, draft_secs: 0.1, drafts: 1 };
+        let modes = run(&mut gate, 10, |m| if m == DraftMode::Full { bad } else { PLAIN });
         assert_eq!(modes.last(), Some(&DraftMode::Lean));
     }
 }

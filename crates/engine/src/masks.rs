@@ -78,7 +78,12 @@ impl<'s> MaskJob<'s> {
 /// Runs `forward` and computes `jobs` as `schedule` says; returns the forward's result and the
 /// masks' times. `cpu_forward`: the forward runs on the CPU pool (so a helper thread must not
 /// take it).
-pub fn with_forward<R>(schedule: MaskSchedule, cpu_forward: bool, jobs: &mut [MaskJob<'_>], forward: impl FnOnce() -> R) -> (R, MaskTimes) {
+pub fn with_forward<R>(
+    schedule: MaskSchedule,
+    cpu_forward: bool,
+    jobs: &mut [MaskJob<'_>],
+    forward: impl FnOnce() -> R,
+) -> (R, MaskTimes) {
     let rows = jobs.len();
     if rows == 0 {
         return (forward(), MaskTimes::default());

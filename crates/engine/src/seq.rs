@@ -4,6 +4,7 @@
 
 use crate::constraint::TokenConstraint;
 use crate::fill::{Fill, Policy};
+use crate::masks::{MaskJob, Premask};
 use crate::sampler::TokenSampler;
 use crate::scheduler::{SeqView, Want};
 use crate::spec::{DraftJob, Proposal, Proposer, SpecStats};
@@ -82,6 +83,9 @@ pub struct Sequence<'a> {
     fill: Option<Fill>,
     drafts_from: Option<Policy>,
     constraint: Option<Box<dyn TokenConstraint + 'a>>,
+    /// The mask of this step's first sampled row, computed ahead by the step (`masks.rs`);
+    /// None: computed when sampling.
+    premask: Premask,
     /// Rows of the step in flight that were delivered before it (the last one's logits are
     /// the first to sample).
     pending_rows: usize,
@@ -122,6 +126,7 @@ impl<'a> Sequence<'a> {
             fill,
             drafts_from: None,
             constraint: req.constraint,
+            premask: None,
             pending_rows: 1,
             lora: None,
         };
@@ -289,13 +294,25 @@ impl<'a> Sequence<'a> {
     /// The decode rows to forward (the pending token and the first `rows - 1` drafts, the
     /// others dropped) with the cache they extend.
     pub fn decode_input(&mut self, rows: usize) -> ferrolm_models::SeqInput<'_> {
+        self.decode_parts(rows).0
+    }
+
+    /// [`Sequence::decode_input`], and when the sequence is constrained the job that computes
+    /// its first row's mask (from the tokens consumed so far, so during the forward if the step
+    /// wants; `sample_row` takes it).
+    pub fn decode_parts(&mut self, rows: usize) -> (ferrolm_models::SeqInput<'_>, Option<MaskJob<'_>>) {
         let start = self.cache.offset();
         self.pending_rows = self.tokens.len() - start;
         self.drafts.truncate(rows.saturating_sub(self.pending_rows));
         self.rows.clear();
         self.rows.extend_from_slice(&self.tokens[start..]);
         self.rows.extend_from_slice(&self.drafts);
-        ferrolm_models::SeqInput::decode(&self.rows, &mut self.cache).with_lora(self.lora.clone())
+        self.premask = None;
+        let job = match self.constraint.as_deref_mut() {
+            Some(c) => Some(MaskJob::new(c, &mut self.premask)),
+            None => None,
+        };
+        (ferrolm_models::SeqInput::decode(&self.rows, &mut self.cache).with_lora(self.lora.clone()), job)
     }
 
     /// Whether this step's token is the plain argmax of its last row (no drafts, no constraint,
@@ -351,7 +368,8 @@ impl<'a> Sequence<'a> {
             self.deliver(next.token, next.logprobs);
             return Ok((next.token, false));
         };
-        let mask = c.mask().map_err(candle_core::Error::Msg)?;
+        // The first row's mask was computed ahead (the same mask: nothing was consumed since).
+        let mask = self.premask.take().unwrap_or_else(|| c.mask()).map_err(candle_core::Error::Msg)?;
         let next = self.sampler.sample_masked(logits, &self.tokens, Some(&mask))?;
         c.consume(next.token).map_err(candle_core::Error::Msg)?;
         let forced = c.forced();

@@ -5,6 +5,7 @@
 
 use crate::config::{BatchConfig, GraphSettings};
 use crate::graph_decode::{use_static_decode, GraphDecoder};
+use crate::masks::{self, MaskJob, MaskSchedule, MaskTimes};
 use crate::scheduler::{self, Plan, SeqView};
 use crate::seq::{SeqRequest, Sequence};
 use crate::spec::{DraftModelProposer, NgramProposer, SpecConfig};
@@ -40,6 +41,8 @@ pub struct Batch<'a> {
     draft: Option<&'a dyn CausalLm>,
     /// The mounted LoRA adapters that requests name (`GenerateParams::adapter`).
     adapters: Option<&'a Adapters>,
+    /// When constrained rows' masks are computed (`masks.rs`).
+    masks: MaskSchedule,
     next_id: u64,
 }
 
@@ -54,6 +57,8 @@ pub struct StepReport {
     pub retired: Vec<(u64, SeqCache)>,
     /// Draft rows verified in this step.
     pub drafted: usize,
+    /// The grammar masks computed ahead of sampling, and their time.
+    pub masks: MaskTimes,
 }
 
 impl<'a> Batch<'a> {
@@ -73,8 +78,14 @@ impl<'a> Batch<'a> {
             spec: None,
             draft: None,
             adapters: None,
+            masks: MaskSchedule::for_device(model.device()),
             next_id: 0,
         }
+    }
+
+    /// When constrained rows' masks are computed (default: `MaskSchedule::for_device`).
+    pub fn set_mask_schedule(&mut self, schedule: MaskSchedule) {
+        self.masks = schedule;
     }
 
     /// Speculates by prompt lookup for the requests added from now on (unless one opts out).
@@ -279,7 +290,7 @@ impl<'a> Batch<'a> {
             let plan = scheduler::plan(&self.cfg, &self.views());
             (report.seqs, report.tokens) = (plan.decode.len() + plan.prompt.len(), plan.tokens());
             report.drafted = plan.tokens() - plan.decode.len() - plan.prompt.iter().map(|p| p.1).sum::<usize>();
-            self.run(&plan);
+            report.masks = self.run(&plan);
         }
         if let Some(paged) = self.paged.as_mut() {
             paged.register_running(&self.running);
@@ -390,39 +401,45 @@ impl<'a> Batch<'a> {
     }
 
     /// Runs one planned step; a failure (error or panic) ends the planned sequences with it,
-    /// and only them.
-    fn run(&mut self, plan: &Plan) {
+    /// and only them. Returns the time its grammar masks took.
+    fn run(&mut self, plan: &Plan) -> MaskTimes {
         if plan.is_empty() {
-            return;
+            return MaskTimes::default();
         }
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.forward_and_sample(plan)));
         let message = match outcome {
-            Ok(Ok(())) => return,
+            Ok(Ok(times)) => return times,
             Ok(Err(e)) => e.to_string(),
             Err(panic) => crate::service::panic_message(panic),
         };
         for i in plan.decode.iter().chain(&plan.prompt).map(|p| p.0) {
             self.running[i].fail(message.clone());
         }
+        MaskTimes::default()
     }
 
     /// One `forward_hidden` over the plan's rows (`spans::forward_spans`), logits for the
     /// decode rows, each sequence's sampled (and its drafts verified) by itself.
-    fn forward_and_sample(&mut self, plan: &Plan) -> candle_core::Result<()> {
+    fn forward_and_sample(&mut self, plan: &Plan) -> candle_core::Result<MaskTimes> {
         // Per running sequence: None (not in this step) or its rows.
         let mut rows: Vec<Option<Rows>> = vec![None; self.running.len()];
         plan.decode.iter().for_each(|&(i, n)| rows[i] = Some(Rows::Decode(n)));
         plan.prompt.iter().for_each(|&(i, n)| rows[i] = Some(Rows::Prompt(n)));
-        let (hidden, first) = {
-            let (index, spans): (Vec<usize>, Vec<_>) =
-                self.running.iter_mut().zip(&rows).enumerate().filter_map(|(i, (seq, r))| r.map(|r| (i, seq.input(r)))).unzip();
-            let (hidden, first) = crate::spans::forward_spans(self.model, spans)?;
+        let (model, schedule) = (self.model, self.masks);
+        let (hidden, first, times) = {
+            // Constrained decode rows' first masks, computed around the forward (`masks.rs`).
+            let mut jobs = Vec::new();
+            let (index, spans): (Vec<usize>, Vec<_>) = self.running.iter_mut().zip(&rows).enumerate()
+                .filter_map(|(i, (seq, r))| r.map(|r| (i, seq.input_with_mask(r, &mut jobs)))).unzip();
+            let cpu = model.device().is_cpu();
+            let (forwarded, times) = masks::with_forward(schedule, cpu, &mut jobs, || crate::spans::forward_spans(model, spans));
+            let (hidden, first) = forwarded?;
             let mut by_seq = vec![None; self.running.len()];
             index.into_iter().zip(first).for_each(|(i, f)| by_seq[i] = f);
-            (hidden, by_seq)
+            (hidden, by_seq, times)
         };
         if plan.decode.is_empty() {
-            return Ok(());
+            return Ok(times);
         }
         let logits = self.model.project_logits(&hidden)?;
         let argmax = self.batch_argmax(&logits, plan)?;
@@ -437,7 +454,7 @@ impl<'a> Batch<'a> {
                 }
             }
         }
-        Ok(())
+        Ok(times)
     }
 
     /// On a device, when two or more sequences take a plain argmax: every decode row's argmax
@@ -516,6 +533,19 @@ impl<'a> Sequence<'a> {
                 SeqInput::prompt(&self.tokens[start..start + n], &mut self.cache).with_lora(lora)
             }
             Rows::Decode(n) => self.decode_input(n),
+        }
+    }
+
+    /// [`Sequence::input`], pushing the job that computes a constrained decode row's first
+    /// mask onto `jobs`.
+    fn input_with_mask<'s>(&'s mut self, rows: Rows, jobs: &mut Vec<MaskJob<'s>>) -> SeqInput<'s> {
+        match rows {
+            Rows::Prompt(_) => self.input(rows),
+            Rows::Decode(n) => {
+                let (input, job) = self.decode_parts(n);
+                jobs.extend(job);
+                input
+            }
         }
     }
 }

@@ -195,3 +195,79 @@ fn a_json_schema_constrains_real_outputs() {
         assert_eq!(o.stats.as_ref().unwrap().finish_reason, Some(FinishReason::Stop), "{text}");
     }
 }
+
+/// 16 constrained sequences in one batch (a JSON schema through llguidance; greedy and seeded
+/// sampling, with logprobs) give each the tokens and logprob bits it gets alone, whichever way
+/// the step computes their masks: one by one, over the CPU pool, or during the forward.
+#[test]
+fn sixteen_constrained_sequences_batched_equal_each_alone() {
+    use common::record::{request_with, Out as Recorded, Trace};
+    use ferrolm_engine::MaskSchedule;
+    let Some(model) = open_model("SmolLM2-135M-Instruct.Q4_1.gguf") else { return };
+    let model = model.as_ref();
+    let path = ferrolm_models::paths::models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let tokenizer = std::sync::Arc::new(ferrolm_text::Tokenizer::from_gguf_file(&path).unwrap());
+    let eos = tokenizer.eos_ids().to_vec();
+    let grammars = ferrolm_grammar::Grammars::new(tokenizer.clone(), &eos, model.info().vocab_size).unwrap();
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "kind": {"enum": ["city", "river", "mountain"]},
+            "size": {"type": "integer", "minimum": 0},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}
+        },
+        "required": ["name", "kind", "size", "tags"],
+        "additionalProperties": false
+    });
+    let spec = ferrolm_grammar::ConstraintSpec::JsonSchema(schema);
+    let places = ["a city", "a river", "a mountain", "a famous place"];
+    let prompts: Vec<Vec<u32>> = places.iter().map(|p| tokenizer.encode(&format!("Describe {p} as JSON:"), true).unwrap()).collect();
+    // (prompt, temperature, seed) per sequence: a quarter greedy, the rest sampled.
+    let cases: Vec<(usize, f32, u64)> = (0..16).map(|i| (i % 4, if i < 4 { 0.0 } else { 0.9 }, i as u64)).collect();
+    let request = |&(p, temperature, seed): &(usize, f32, u64), out: &Rc<RefCell<Recorded>>| {
+        let sp = SamplingParams { temperature, seed: Some(seed), logprobs: Some(2), ..Default::default() };
+        let mut req = request_with(model, &prompts[p], &sp, 64, out);
+        req.eos_ids = eos.clone();
+        req.constraint = Some(Box::new(grammars.compile(&spec).unwrap()));
+        req
+    };
+    let cfg = BatchConfig { max_batch_tokens: 512, max_seqs: 16, kv_budget_bytes: 1 << 30, prompt_cache_bytes: 0 };
+    let run_batch = |cases: &[(usize, f32, u64)], schedule: MaskSchedule| -> Vec<Trace> {
+        let mut batch = Batch::new(model, cfg, Default::default());
+        batch.set_mask_schedule(schedule);
+        let outs: Vec<_> = cases.iter().map(|_| Rc::new(RefCell::new(Recorded::default()))).collect();
+        for (case, out) in cases.iter().zip(&outs) {
+            batch.add(request(case, out), model.make_cache());
+        }
+        let mut most_masks = 0;
+        while !batch.is_idle() {
+            most_masks = most_masks.max(batch.step(&|| false).masks.rows);
+        }
+        assert!(cases.len() == 1 || most_masks == cases.len(), "a step masked all {} rows: {most_masks}", cases.len());
+        outs.iter().map(|o| o.borrow().trace.clone()).collect()
+    };
+    let alone: Vec<Trace> = cases.iter().map(|c| run_batch(std::slice::from_ref(c), MaskSchedule::Serial).remove(0)).collect();
+    // Every output is valid JSON of the schema, or was cut by the length limit.
+    let mut complete = 0;
+    for trace in &alone {
+        let ids: Vec<u32> = trace.iter().map(|t| t.0).filter(|t| !eos.contains(t)).collect();
+        let text = tokenizer.decode(&ids, true);
+        match serde_json::from_str::<serde_json::Value>(&text) {
+            Ok(v) => {
+                assert!(v["name"].is_string() && v["tags"].is_array(), "{text}");
+                complete += 1;
+            }
+            Err(e) => assert_eq!(trace.len(), 64, "not JSON ({e}) before the length limit: {text:?}"),
+        }
+    }
+    assert!(complete >= 8, "most sequences complete their JSON: {complete} of 16");
+    let distinct: std::collections::HashSet<_> = alone.iter().collect();
+    assert!(distinct.len() > 8, "the sequences differ: {} distinct outputs", distinct.len());
+    for schedule in [MaskSchedule::Serial, MaskSchedule::Parallel, MaskSchedule::Overlap] {
+        let batched = run_batch(&cases, schedule);
+        for (i, (b, a)) in batched.iter().zip(&alone).enumerate() {
+            assert_eq!(b, a, "sequence {i} batched ({schedule:?}) vs alone");
+        }
+    }
+}

@@ -6,7 +6,10 @@
 //!
 //! Blocks of a running sequence's prompt rows are registered as soon as its prompt is in, so a
 //! request arriving while it still decodes shares them; its partial last block is registered when
-//! it retires (until then it is still being written).
+//! it retires (until then it is still being written). For sliding-window layers the first
+//! registration is what counts: it holds the window's blocks at the prompt's end, which the
+//! sequence releases as it decodes on (the index's reference keeps them); at retirement the
+//! blocks it still holds fill in what is missing.
 
 use crate::seq::Sequence;
 use ferrolm_kv::{BlockIndex, PagedPools, PromptCache, PromptCacheStats, SeqCache};
@@ -16,8 +19,9 @@ use std::collections::HashSet;
 pub(crate) struct PagedKv {
     pools: PagedPools,
     /// Prefix sharing by blocks; None when the prompt cache is off, or when some layer is not
-    /// paged (Gemma 3's sliding windows: the copying prompt cache then serves, its paged layers
-    /// shared by reference all the same, `SeqCache::fork_prefix`).
+    /// paged (quantized rows: the copying prompt cache then serves, its paged layers shared by
+    /// reference all the same, `SeqCache::fork_prefix`). Sliding-window layers are paged: a
+    /// prefix is shared where the index holds the blocks of their window (`BlockIndex`).
     index: Option<BlockIndex>,
     /// Running sequences whose whole prompt blocks are in the index already.
     registered: HashSet<u64>,
@@ -72,15 +76,19 @@ impl PagedKv {
         }
     }
 
-    /// Registers the whole prompt blocks of running sequences whose prompt is in.
+    /// Registers the whole prompt blocks of running sequences whose prompt is in, and the prompt
+    /// rows of those that just ended (partial last block included) before their retirement
+    /// trims them: a sliding window that moved on cannot trim back to its prompt, but the
+    /// blocks it still holds serve later prompts all the same.
     pub fn register_running(&mut self, running: &[Sequence<'_>]) {
         let Some(index) = self.index.as_mut() else { return };
         for seq in running {
-            if !seq.is_decoding() || !self.registered.insert(seq.id) {
+            let ended = seq.is_done();
+            if !(ended || seq.is_decoding()) || (!ended && !self.registered.insert(seq.id)) {
                 continue;
             }
             if let Some(rows) = seq.prompt_rows() {
-                index.register(&rows, &seq.cache, false);
+                index.register(&rows, &seq.cache, ended);
             }
         }
     }

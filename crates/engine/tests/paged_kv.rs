@@ -1,6 +1,7 @@
 //! The paged KV layout (`--kv-layout paged`, docs/paged_kv.md): logits bit-identical to the
 //! contiguous layout (exact and default activations; SmolLM2, and Gemma 3 whose sliding-window
-//! layers stay on their rings); requests sharing a running request's prompt blocks by reference
+//! layers run on blocks released as the window leaves them, equal to its rings over a prompt of
+//! more than 4 windows and greedy decode, in memory bounded by the window); requests sharing a running request's prompt blocks by reference
 //! each get the tokens and logprob bits of their solo run; eviction never touches a running
 //! sequence's blocks; the prompt cache (`cached_tokens`) and its disk tier keep working.
 
@@ -95,7 +96,8 @@ fn paged_logits_are_bit_identical_to_contiguous() {
     check_logits(SMOL, &[16, 64]);
 }
 
-/// Gemma 3: its global layers paged, its sliding-window layers on their rings as before.
+/// Gemma 3: its global layers and its sliding-window layers paged (a short prompt: the windows
+/// still hold every token).
 #[test]
 fn gemma3_paged_logits_are_bit_identical_to_contiguous() {
     let _one = MODE.lock().unwrap_or_else(|p| p.into_inner());
@@ -246,4 +248,136 @@ fn speculation_and_choices_on_paged_caches_equal_solo_runs() {
     for (i, o) in choices.iter().enumerate() {
         assert!(o.borrow().trace == want, "choice {i} differs from the solo run");
     }
+}
+
+const GEMMA: &str = "gemma-3-270m-Q4_K_M.gguf";
+
+/// `n` tokens: the fixture's prompts one after another, as often as needed.
+fn tokens_of_length(n: usize) -> Vec<u32> {
+    let all: Vec<u32> = load_fixture(SMOL_FIXTURE).prompts.iter().flat_map(|p| p.prompt_ids.clone()).collect();
+    all.iter().cycle().take(n).copied().collect()
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |best, (i, &x)| if x > best.1 { (i, x) } else { best }).0 as u32
+}
+
+/// The most blocks each sliding-window layer of `cache` holds, if it is paged.
+fn sliding_blocks(cache: &SeqCache) -> Option<usize> {
+    (0..cache.num_layers()).filter_map(|i| cache.layer_ref(i).as_paged().filter(|p| p.window().is_some()).map(|p| p.blocks().len())).max()
+}
+
+/// Two sequences forwarded together over long prompts (chunks of 61 and 47 rows), then greedy
+/// decode: single rows, one step verifying three rows of which two are trimmed as rejected
+/// drafts, single rows again. The logits of every decode row, and the most blocks a sliding
+/// layer held after a prompt chunk and after a decode step.
+fn greedy_logits(model: &dyn CausalLm, mut caches: [SeqCache; 2], prompts: [&[u32]; 2]) -> (Vec<Vec<u32>>, [usize; 2]) {
+    let n = prompts.map(|p| p.len() - 1);
+    let (mut done, mut held) = ([0, 0], [0, 0]);
+    while done != n {
+        let [a, b] = &mut caches;
+        let parts: Vec<(usize, &mut SeqCache)> = [(0, a), (1, b)].into_iter().filter(|(i, _)| done[*i] < n[*i]).collect();
+        let mut inputs: Vec<SeqInput> = parts
+            .into_iter()
+            .map(|(i, c)| {
+                let part = &prompts[i][done[i]..(done[i] + [61, 47][i]).min(n[i])];
+                done[i] += part.len();
+                SeqInput::prompt(part, c)
+            })
+            .collect();
+        model.forward_hidden(&mut inputs).unwrap();
+        held[0] = held[0].max(caches.iter().filter_map(sliding_blocks).max().unwrap_or(0));
+    }
+    let (mut out, mut next) = (Vec::new(), [0, 1].map(|i| vec![prompts[i][n[i]]]));
+    for step in 0..10 {
+        let [a, b] = &mut caches;
+        let mut inputs = [SeqInput::decode(&next[0], a), SeqInput::decode(&next[1], b)];
+        let logits = model.project_logits(&model.forward_hidden(&mut inputs).unwrap()).unwrap();
+        out.push(bits(&logits));
+        let rows: Vec<Vec<f32>> = logits.to_vec2().unwrap();
+        let per = next[0].len();
+        if per == 3 {
+            caches.iter_mut().for_each(|c| assert_eq!(c.trim(2), 2, "two rejected drafts trimmed"));
+        }
+        // Row 0 of each sequence is the one kept; step 4 verifies it with two drafts.
+        next = [0, 1].map(|i| {
+            let t = argmax(&rows[i * per]);
+            if step == 4 { vec![t, prompts[i][5], prompts[i][9]] } else { vec![t] }
+        });
+        held[1] = held[1].max(caches.iter().filter_map(sliding_blocks).max().unwrap_or(0));
+    }
+    (out, held)
+}
+
+/// Gemma 3's sliding-window layers on blocks equal its rings bit for bit (exact and default
+/// activations) over a prompt of more than 4 windows and greedy decode with a trimmed verify
+/// step, while each sliding layer holds at most the window's blocks (one block of margin, and a
+/// prompt chunk's while it is forwarded) however long the sequence.
+#[test]
+fn gemma3_sliding_layers_on_blocks_equal_the_ring_over_a_long_prompt() {
+    let _one = MODE.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(model) = open_model(GEMMA) else { return };
+    let model = model.as_ref();
+    let window = 512;
+    let (a, b) = (tokens_of_length(4 * window + 100), tokens_of_length(2 * window + 77)[40..].to_vec());
+    let bt = 16;
+    for exact in [false, true] {
+        ferrolm_backend::cpu::set_exact_activations(exact);
+        let (ring, _) = greedy_logits(model, [model.make_cache(), model.make_cache()], [&a, &b]);
+        let pools = PagedPools::for_model(&model.make_cache(), bt);
+        let caches = [pools.make(model.make_cache()), pools.make(model.make_cache())];
+        assert_eq!(sliding_blocks(&caches[0]), Some(0), "{GEMMA}: its sliding layers are paged");
+        let (paged, [prompt_held, decode_held]) = greedy_logits(model, caches, [&a, &b]);
+        assert!(paged == ring, "sliding layers on blocks differ from the ring, exact {exact}");
+        let window_blocks = (window - 1 + bt).div_ceil(bt) + 1;
+        eprintln!("blocks held by a sliding layer: {prompt_held} during the prompt, {decode_held} decoding; a full layer {}", a.len().div_ceil(bt));
+        assert!(decode_held <= window_blocks, "decode: {decode_held} blocks held (window {window_blocks})");
+        assert!(prompt_held <= window_blocks + 61usize.div_ceil(bt), "prompt: {prompt_held} blocks held");
+        assert!(a.len() / bt > 3 * decode_held, "a full layer holds {} blocks", a.len() / bt);
+    }
+    ferrolm_backend::cpu::set_exact_activations(false);
+}
+
+/// Gemma 3, prompts over 2 windows long: two requests arriving while a third decodes share its
+/// prompt blocks (the sliding layers' window of them included), with prompt-lookup speculation
+/// trimming rejected drafts on the sliding layers; a later turn finds every finished prompt row
+/// (kept when the requests ended: 40 tokens past their prompts, their sliding layers could not
+/// trim back to them; the index held the window's blocks since the prompts were in). Every
+/// output equals its solo run on rings.
+#[test]
+fn gemma3_batched_requests_share_a_long_prompt_and_equal_their_solo_runs() {
+    let _one = MODE.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(model) = open_model(GEMMA) else { return };
+    let model = model.as_ref();
+    let base = tokens_of_length(2 * 512 + 90);
+    let bt = 16;
+    let mut batch = paged_batch(model, 1 << 30, bt);
+    batch.set_speculation(Some(ferrolm_engine::SpecConfig { max_drafts: 4, ngram_min: 1, ngram_max: 3 }));
+    let first = Rc::new(RefCell::new(Out::default()));
+    batch.add(request(model, &base, 40, &first), model.make_cache());
+    while first.borrow().trace.len() < 3 {
+        batch.step(&|| false);
+    }
+    let prompts: Vec<Vec<u32>> = (1..3).map(|i| base.iter().chain(&other_prompt(i)[1..]).copied().collect()).collect();
+    let outs: Vec<_> = prompts.iter().map(|_| Rc::new(RefCell::new(Out::default()))).collect();
+    for (p, o) in prompts.iter().zip(&outs) {
+        batch.add(request(model, p, 40, o), model.make_cache());
+    }
+    run(&mut batch);
+    let shared = (base.len() - 1) / bt * bt;
+    for (i, (p, o)) in prompts.iter().zip(&outs).enumerate() {
+        assert_eq!(o.borrow().stats.as_ref().unwrap().cached_tokens, shared, "request {i} shares the running prompt's whole blocks");
+        assert!(o.borrow().trace == solo(model, p, 40), "request {i} differs from its solo run");
+    }
+    assert!(first.borrow().trace == solo(model, &base, 40), "the running request differs from its solo run");
+    let drafted: usize = outs.iter().chain([&first]).map(|o| o.borrow().stats.as_ref().unwrap().drafted_tokens).sum();
+    assert!(drafted > 0, "speculation ran on the sliding layers");
+    let turn = Rc::new(RefCell::new(Out::default()));
+    // The first prompt's rows, then tokens no finished prompt has there.
+    let last = base.len() - 1;
+    let second: Vec<u32> = base[..last].iter().chain(&[base[last] ^ 1, 7]).copied().collect();
+    batch.add(request(model, &second, 8, &turn), model.make_cache());
+    run(&mut batch);
+    assert_eq!(turn.borrow().stats.as_ref().unwrap().cached_tokens, last, "the finished prompt's rows are reused, partial block included");
+    assert!(turn.borrow().trace == solo(model, &second, 8), "the later turn differs from its solo run");
 }

@@ -97,6 +97,12 @@ pub trait KvCache: Send {
         None
     }
 
+    /// Kv heads, head size, dtype and window of a sliding-window float cache (the rings
+    /// `--kv-layout paged` replaces by windowed block tables); None for other kinds.
+    fn sliding_shape(&self) -> Option<(usize, usize, candle_core::DType, usize)> {
+        None
+    }
+
     /// Whole buffers `[kv_heads, capacity, head_dim]` with room for at least `extra` tokens
     /// after `offset()`, for steps that write one token in place at a position held on the
     /// device (a captured decode step). `None`: this cache keeps no such buffers.

@@ -153,42 +153,103 @@ impl PoolInner {
 }
 
 /// One layer's cache of one sequence: its block table over a shared pool.
+///
+/// A sliding-window layer (`sliding`: Gemma 3's local layers, Mistral windows) keeps the ring
+/// semantics of `RotatingCache` on blocks: before each write, the blocks wholly before the keys
+/// the next query needs (its `window - 1` predecessors) and one block more are released to the
+/// pool. The table keeps its logical positions (`blocks[j]` holds the sequence's block
+/// `first + j`), and attention gets the held blocks with `key_start = first · B`, masking by
+/// position as over a ring. The extra block lets a prefix ending at any block boundary of the
+/// last block still find its window (the prefix index shares prompts at block boundaries).
 pub struct PagedCache {
     pool: Arc<BlockPool>,
+    /// The blocks held, in order: `blocks[j]` is the sequence's block `first + j`.
     blocks: Vec<usize>,
+    /// Blocks before `blocks[0]` that a sliding window let go of (0 for full attention).
+    first: usize,
+    /// The oldest position held: `first · B`, or later when a loaded state began inside that
+    /// block (its rows before `start` are zeros that no query sees).
+    start: usize,
     offset: usize,
+    /// Sliding-window layer: queries see the last `window` positions, their own included.
+    window: Option<usize>,
 }
 
 impl PagedCache {
     pub fn new(pool: Arc<BlockPool>) -> Self {
-        Self { pool, blocks: Vec::new(), offset: 0 }
+        Self { pool, blocks: Vec::new(), first: 0, start: 0, offset: 0, window: None }
+    }
+
+    /// A sliding-window layer's cache (see the type's doc).
+    pub fn sliding(pool: Arc<BlockPool>, window: usize) -> Self {
+        assert!(window > 0, "a sliding window holds at least one token");
+        Self { pool, blocks: Vec::new(), first: 0, start: 0, offset: 0, window: Some(window) }
     }
 
     /// A cache holding the first `tokens` tokens of `blocks` (one reference taken on each).
     pub fn sharing(pool: Arc<BlockPool>, blocks: &[usize], tokens: usize) -> Self {
-        let blocks = blocks[..tokens.div_ceil(pool.block_tokens)].to_vec();
+        Self::sharing_from(pool, None, 0, blocks, tokens)
+    }
+
+    /// A cache of `tokens` tokens whose blocks from the sequence's block `first` on are
+    /// `blocks` (one reference taken on each of those holding tokens); `window` as in
+    /// `sliding`. The caller makes sure the blocks cover the window of the next query.
+    pub fn sharing_from(pool: Arc<BlockPool>, window: Option<usize>, first: usize, blocks: &[usize], tokens: usize) -> Self {
+        let blocks = blocks[..tokens.div_ceil(pool.block_tokens) - first].to_vec();
         pool.retain(&blocks);
-        Self { pool, blocks, offset: tokens }
+        let start = first * pool.block_tokens;
+        Self { pool, blocks, first, start, offset: tokens, window }
     }
 
     pub fn pool(&self) -> &Arc<BlockPool> {
         &self.pool
     }
 
-    /// The blocks holding the tokens, in order.
+    /// The blocks held, in order (from the sequence's block `first_block()` on).
     pub fn blocks(&self) -> &[usize] {
         &self.blocks
     }
 
+    /// The sequence's blocks before `blocks()[0]`, released by a sliding window.
+    pub fn first_block(&self) -> usize {
+        self.first
+    }
+
+    /// The pool block holding the sequence's block `i` (tokens `i·B..`), if still held.
+    pub fn block_at(&self, i: usize) -> Option<usize> {
+        i.checked_sub(self.first).and_then(|j| self.blocks.get(j).copied())
+    }
+
+    /// The window of a sliding-window layer; None for full attention.
+    pub fn window(&self) -> Option<usize> {
+        self.window
+    }
+
     fn table(&self) -> BlockTable {
-        BlockTable { blocks: self.blocks.clone(), block_tokens: self.pool.block_tokens, tokens: self.offset }
+        let key_start = self.first * self.pool.block_tokens;
+        BlockTable { blocks: self.blocks.clone(), block_tokens: self.pool.block_tokens, tokens: self.offset - key_start }
+    }
+
+    /// A sliding window's release before writing at `offset`: the blocks wholly before
+    /// position `offset + 1 - window - B` (the next query's window and one block more).
+    fn release_out_of_window(&mut self) {
+        let Some(window) = self.window else { return };
+        let bt = self.pool.block_tokens;
+        let keep_from = (self.offset + 1).saturating_sub(window + bt);
+        let n = (keep_from / bt).saturating_sub(self.first).min(self.blocks.len());
+        if n > 0 {
+            self.pool.release(&self.blocks[..n]);
+            self.blocks.drain(..n);
+            self.first += n;
+            self.start = self.start.max(self.first * bt);
+        }
     }
 
     /// The block to write token `offset` into: a new one at a block boundary, the last one if
     /// this sequence alone holds it, else a private copy of it (copy-on-write).
     fn writable_block(&mut self, g: &mut PoolInner) -> Result<usize> {
         let bt = self.pool.block_tokens;
-        let (i, within) = (self.offset / bt, self.offset % bt);
+        let (i, within) = (self.offset / bt - self.first, self.offset % bt);
         if i == self.blocks.len() {
             let b = g.alloc(&self.pool)?;
             self.blocks.push(b);
@@ -207,20 +268,45 @@ impl PagedCache {
         Ok(private)
     }
 
-    /// The keys and values of the first `n` tokens, `[kv_heads, n, head_dim]`, gathered (for
-    /// snapshots: the disk tier, forks into other layouts; attention never gathers).
-    fn gather(&self, n: usize) -> Result<Option<KvView>> {
-        if n == 0 {
+    /// The keys and values of tokens `from..n` (held ones), `[kv_heads, n - from, head_dim]`,
+    /// gathered (for snapshots: the disk tier, forks into other layouts; attention never
+    /// gathers).
+    fn gather(&self, from: usize, n: usize) -> Result<Option<KvView>> {
+        if n <= from {
             return Ok(None);
         }
         let g = self.pool.lock();
         let bt = self.pool.block_tokens;
-        let (h, d) = (self.pool.kv_heads, self.pool.head_dim);
-        let ids: Vec<u32> = (0..h).flat_map(|head| (0..n).map(move |t| (head, t))).map(|(head, t)| self.pool.row(self.blocks[t / bt], head, t % bt) as u32).collect();
-        let ids = Tensor::from_vec(ids, h * n, &self.pool.device)?;
-        let take = |t: &Tensor| -> Result<Tensor> { BlockPool::rows(t)?.index_select(&ids, 0)?.reshape((h, n, d)) };
+        let (h, d, m) = (self.pool.kv_heads, self.pool.head_dim, n - from);
+        let block = |t: usize| self.block_at(t / bt).expect("held tokens");
+        let ids: Vec<u32> = (0..h).flat_map(|head| (from..n).map(move |t| (head, t))).map(|(head, t)| self.pool.row(block(t), head, t % bt) as u32).collect();
+        let ids = Tensor::from_vec(ids, h * m, &self.pool.device)?;
+        let take = |t: &Tensor| -> Result<Tensor> { BlockPool::rows(t)?.index_select(&ids, 0)?.reshape((h, m, d)) };
         let (k, v) = (take(g.k.as_ref().expect("allocated"))?, take(g.v.as_ref().expect("allocated"))?);
-        Ok(Some(KvView { k, v, key_start: 0, quant: None, table: None }))
+        Ok(Some(KvView { k, v, key_start: from, quant: None, table: None }))
+    }
+
+    /// Whether the tokens held cover what a cache of the first `n` tokens needs: all of them,
+    /// or for a sliding window at least the `window - 1` before `n` (as `RotatingCache`).
+    fn covers(&self, n: usize) -> bool {
+        n <= self.offset && (self.start == 0 || self.window.is_some_and(|w| n + 1 >= self.start + w))
+    }
+
+    /// Appends `k`, `v` (`[kv_heads, n, head_dim]`, the pool's dtype, contiguous) after `offset`.
+    fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
+        let pool = self.pool.clone();
+        let n = k.dims()[1];
+        let mut g = pool.lock();
+        let mut done = 0;
+        while done < n {
+            let block = self.writable_block(&mut g)?;
+            let within = self.offset % pool.block_tokens;
+            let m = (pool.block_tokens - within).min(n - done);
+            g.write(&pool, block, within, &k.narrow(1, done, m)?.contiguous()?, &v.narrow(1, done, m)?.contiguous()?)?;
+            self.offset += m;
+            done += m;
+        }
+        Ok(())
     }
 
     fn release_from(&mut self, keep_blocks: usize) {
@@ -246,39 +332,50 @@ impl KvCache for PagedCache {
         }
         let head_rows = |t: &Tensor| -> Result<Tensor> { t.to_dtype(pool.dtype)?.contiguous() };
         let (k, v) = (head_rows(k)?, head_rows(v)?);
-        let mut g = pool.lock();
-        let mut done = 0;
-        while done < n {
-            let block = self.writable_block(&mut g)?;
-            let within = self.offset % pool.block_tokens;
-            let m = (pool.block_tokens - within).min(n - done);
-            g.write(&pool, block, within, &k.narrow(1, done, m)?.contiguous()?, &v.narrow(1, done, m)?.contiguous()?)?;
-            self.offset += m;
-            done += m;
-        }
-        let (pk, pv) = (g.k.clone().expect("allocated"), g.v.clone().expect("allocated"));
-        Ok(KvView { k: pk, v: pv, key_start: 0, quant: None, table: Some(self.table()) })
+        // Released before writing: every query of this chunk still finds its window.
+        self.release_out_of_window();
+        self.append(&k, &v)?;
+        let (pk, pv) = {
+            let g = pool.lock();
+            (g.k.clone().expect("allocated"), g.v.clone().expect("allocated"))
+        };
+        let key_start = self.first * pool.block_tokens;
+        Ok(KvView { k: pk, v: pv, key_start, quant: None, table: Some(self.table()) })
     }
 
     fn offset(&self) -> usize {
         self.offset
     }
 
+    /// True while no block was released (always for full attention): any trim is then exact.
     fn is_trimmable(&self) -> bool {
-        true
+        self.start == 0
+    }
+
+    /// After a sliding window released blocks, as `RotatingCache`: the next query (at
+    /// `offset - n`) must still find its `window - 1` predecessors, so a trim never reaches
+    /// into a released block.
+    fn max_trim(&self) -> usize {
+        match self.window {
+            Some(w) if self.start > 0 => (self.offset + 1).saturating_sub(self.start + w),
+            _ => self.offset,
+        }
     }
 
     fn trim(&mut self, n: usize) -> usize {
-        let n = n.min(self.offset);
+        let n = n.min(self.max_trim());
         self.offset -= n;
-        self.release_from(self.offset.div_ceil(self.pool.block_tokens));
+        self.release_from(self.offset.div_ceil(self.pool.block_tokens).saturating_sub(self.first));
         n
     }
 
     /// The same state as a contiguous cache's (`state` gathers it), so snapshots and disk files
-    /// are interchangeable between the layouts.
+    /// are interchangeable between the layouts: `kv:plain`, or `kv:rotating` for a window.
     fn signature(&self) -> String {
-        PlainCache::SIGNATURE.into()
+        match self.window {
+            Some(_) => "kv:rotating".into(),
+            None => PlainCache::SIGNATURE.into(),
+        }
     }
 
     fn bytes_per_token(&self) -> usize {
@@ -293,27 +390,52 @@ impl KvCache for PagedCache {
         &self.pool.device
     }
 
+    /// The tokens held, from `start` (a ring's state: the newest tokens and their key start).
     fn state(&self) -> Result<Option<KvView>> {
-        self.gather(self.offset)
+        self.gather(self.start, self.offset)
     }
 
+    /// `state.k` holds the newest `n` tokens of a sequence of `offset` tokens; full attention
+    /// also takes more (`n > offset`: the first `offset` are kept).
     fn load_state(&mut self, state: &KvView, offset: usize) -> Result<()> {
         self.release_from(0);
-        self.offset = 0;
-        self.update_and_fetch(&state.k, &state.v)?;
-        self.trim(self.offset.saturating_sub(offset));
+        let n = state.k.dims()[1];
+        let bt = self.pool.block_tokens;
+        let start = match self.window {
+            Some(_) if n > offset => candle_core::bail!("kv:rotating (paged): state holds {n} tokens but offset is {offset}"),
+            Some(_) => offset - n,
+            None => 0,
+        };
+        (self.first, self.offset, self.start) = (start / bt, start / bt * bt, start / bt * bt);
+        let (h, d, dt) = (self.pool.kv_heads, self.pool.head_dim, self.pool.dtype);
+        let head_rows = |t: &Tensor| -> Result<Tensor> { t.to_dtype(dt)?.contiguous() };
+        if start > self.offset {
+            // The rows of the first block before the state's first token: zeros, never visible.
+            let zeros = Tensor::zeros((h, start - self.offset, d), dt, &self.pool.device)?;
+            self.append(&zeros, &zeros)?;
+        }
+        self.append(&head_rows(&state.k)?, &head_rows(&state.v)?)?;
+        self.start = start;
+        if self.window.is_none() {
+            self.trim(self.offset.saturating_sub(offset));
+        }
         Ok(())
     }
 
     fn state_prefix(&self, n: usize) -> Result<Option<KvView>> {
-        if n > self.offset {
+        if !self.covers(n) {
             return Ok(None);
         }
-        self.gather(n)
+        self.gather(self.start, n)
     }
 
     fn share_prefix(&self, n: usize) -> Option<Box<dyn KvCache>> {
-        (n <= self.offset).then(|| Box::new(PagedCache::sharing(self.pool.clone(), &self.blocks, n)) as Box<dyn KvCache>)
+        if !self.covers(n) || n < self.first * self.pool.block_tokens {
+            return None;
+        }
+        let mut shared = PagedCache::sharing_from(self.pool.clone(), self.window, self.first, &self.blocks, n);
+        shared.start = self.start;
+        Some(Box::new(shared))
     }
 
     fn as_paged(&self) -> Option<&PagedCache> {
@@ -380,5 +502,70 @@ mod tests {
         assert_eq!(b_rows[5 * 8], -50.0);
         a.update_and_fetch(&rows(1, 7.0), &rows(1, 7.0)).unwrap();
         assert_eq!(gathered(&b), b_rows, "the sharer's rows are untouched by the holder's writes");
+    }
+
+    /// Token t's key is the constant t (one head, head_dim 2), so positions can be read back.
+    fn positions_rows(range: std::ops::Range<usize>) -> Tensor {
+        let data: Vec<f32> = range.flat_map(|t| [t as f32, t as f32]).collect();
+        let n = data.len() / 2;
+        Tensor::from_vec(data, (1, n, 2), &Device::Cpu).unwrap()
+    }
+
+    fn held_positions(c: &dyn KvCache) -> (usize, Vec<usize>) {
+        let s = c.state().unwrap().unwrap();
+        let k: Vec<Vec<f32>> = s.k.get(0).unwrap().to_vec2().unwrap();
+        (s.key_start, k.iter().map(|r| r[0] as usize).collect())
+    }
+
+    /// A sliding window on blocks: every view starts at a block boundary at or before the
+    /// window of its first query, blocks wholly before it (and a block's margin) go back to the
+    /// pool, so a long sequence holds a bounded number of blocks; trims stop where the ring's
+    /// do (never into a released block); states load into a ring and back.
+    #[test]
+    fn a_sliding_window_on_blocks_releases_what_it_left() {
+        let (window, bt) = (8, 4);
+        let pool = BlockPool::new(bt, 1, 2, DType::F32, &Device::Cpu);
+        for chunks in [vec![1; 60], vec![3, 5, 7, 1, 1, 20, 2, 1, 1, 30], vec![17, 1, 1, 1, 9, 40, 1]] {
+            let mut c = PagedCache::sliding(pool.clone(), window);
+            let mut ring = crate::RotatingCache::new(1, 2, window, DType::F32, &Device::Cpu);
+            let mut pos = 0;
+            for n in chunks {
+                let x = positions_rows(pos..pos + n);
+                let view = c.update_and_fetch(&x, &x).unwrap();
+                ring.update_and_fetch(&x, &x).unwrap();
+                assert_eq!(view.key_start % bt, 0);
+                assert!(view.key_start <= (pos + 1).saturating_sub(window), "the chunk's first query sees its window");
+                assert_eq!(view.table.as_ref().unwrap().tokens, pos + n - view.key_start);
+                let (start, held) = held_positions(&c);
+                assert_eq!((start, held), (view.key_start, (view.key_start..pos + n).collect::<Vec<_>>()));
+                assert!(c.blocks().len() <= (window - 1 + bt).div_ceil(bt) + 1 + n.div_ceil(bt), "{} blocks", c.blocks().len());
+                pos += n;
+            }
+            assert_eq!(pool.usage().0, c.blocks().len(), "released blocks are free in the pool");
+            // The state (newest tokens from the key start) loads into a ring and back alike.
+            let mut from_ring = PagedCache::sliding(pool.clone(), window);
+            from_ring.load_state(&ring.state().unwrap().unwrap(), ring.offset()).unwrap();
+            let mut to_ring = crate::RotatingCache::new(1, 2, window, DType::F32, &Device::Cpu);
+            to_ring.load_state(&c.state().unwrap().unwrap(), c.offset()).unwrap();
+            let next = positions_rows(pos..pos + 1);
+            for other in [&mut from_ring as &mut dyn KvCache, &mut to_ring] {
+                let a = other.update_and_fetch(&next, &next).unwrap();
+                assert_eq!(other.offset(), pos + 1);
+                let (_, held) = held_positions(other);
+                let need = pos + 1 - window;
+                assert!(a.key_start <= need && held.ends_with(&(need..=pos).collect::<Vec<_>>()), "{held:?}");
+            }
+            drop(from_ring);
+            assert!(!c.is_trimmable());
+            let can = c.max_trim();
+            assert!(can >= bt && can < c.offset(), "{can}");
+            assert_eq!(c.trim(1000), can, "never into a released block");
+            assert!(c.offset() >= c.first_block() * bt + window - 1);
+            // A prefix shares the blocks of the window before it, nothing before.
+            let shared = c.share_prefix(c.offset()).unwrap();
+            assert_eq!(shared.as_paged().unwrap().blocks(), c.blocks());
+            assert!(c.share_prefix(c.first_block() * bt + 2).is_none(), "its window was released");
+        }
+        assert_eq!(pool.usage().0, 0);
     }
 }

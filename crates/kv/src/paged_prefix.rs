@@ -10,6 +10,16 @@
 //! evicted; a block a running sequence holds is never evicted (it may keep the index over its
 //! cap until that sequence lets go).
 //!
+//! Sliding-window layers (Gemma 3's local layers) release the blocks their window has left, so
+//! a node may hold no block for such a layer (`None`). A prefix of `t` tokens is shared only if
+//! every sliding layer's nodes hold the blocks covering its last `window - 1` positions (what the
+//! query at `t` sees); else the hit shrinks to the longest block boundary that is covered. The
+//! index's reference keeps a block alive after its sequence released it, so what a running
+//! sequence registers when its prompt is in (its window's blocks, with a block's margin, see
+//! `PagedCache`) stays reusable after it decoded far past it; at retirement the blocks it still
+//! holds fill the nodes' missing ones. The keys stay the tokens' hash chain: which blocks a node
+//! holds never changes its key.
+//!
 //! What goes in is the caller's choice; the engine registers only keys and values its prompt
 //! rows produced (see `prefix.rs`), so a shared prefix continues bit for bit as an uncached one.
 
@@ -20,23 +30,26 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 
 /// The block pools of one model's layers: `Some` for each layer `--kv-layout paged` pages (the
-/// plain float layers), `None` for the others (sliding windows, quantized rows).
+/// float layers, full attention or sliding windows), `None` for the others (quantized rows).
 #[derive(Clone)]
 pub struct PagedPools {
     pools: Vec<Option<Arc<BlockPool>>>,
+    /// The window of each sliding-window layer.
+    windows: Vec<Option<usize>>,
     block_tokens: usize,
 }
 
 impl PagedPools {
-    /// Pools for the plain layers of `template` (a fresh cache of the model).
+    /// Pools for the plain and sliding-window layers of `template` (a fresh cache of the model).
     pub fn for_model(template: &SeqCache, block_tokens: usize) -> Self {
-        let pools = (0..template.num_layers())
-            .map(|i| {
-                let layer = template.layer_ref(i);
-                layer.plain_shape().map(|(h, d, dt)| BlockPool::new(block_tokens, h, d, dt, layer.device()))
-            })
-            .collect();
-        Self { pools, block_tokens }
+        let (mut pools, mut windows) = (Vec::new(), Vec::new());
+        for i in 0..template.num_layers() {
+            let layer = template.layer_ref(i);
+            let shape = layer.plain_shape().map(|(h, d, dt)| (h, d, dt, None)).or(layer.sliding_shape().map(|(h, d, dt, w)| (h, d, dt, Some(w))));
+            pools.push(shape.map(|(h, d, dt, _)| BlockPool::new(block_tokens, h, d, dt, layer.device())));
+            windows.push(shape.and_then(|s| s.3));
+        }
+        Self { pools, windows, block_tokens }
     }
 
     pub fn block_tokens(&self) -> usize {
@@ -48,15 +61,16 @@ impl PagedPools {
         !self.pools.is_empty() && self.pools.iter().all(Option::is_some)
     }
 
-    /// `template` (a fresh cache of the model) with its plain layers paged.
+    /// `template` (a fresh cache of the model) with its plain and sliding-window layers paged.
     pub fn make(&self, template: SeqCache) -> SeqCache {
         let layers = template
             .into_layers()
             .into_iter()
-            .zip(&self.pools)
-            .map(|(layer, pool)| match pool {
-                Some(pool) => Box::new(PagedCache::new(pool.clone())) as Box<dyn KvCache>,
-                None => layer,
+            .zip(self.pools.iter().zip(&self.windows))
+            .map(|(layer, (pool, window))| match (pool, window) {
+                (Some(pool), None) => Box::new(PagedCache::new(pool.clone())) as Box<dyn KvCache>,
+                (Some(pool), Some(w)) => Box::new(PagedCache::sliding(pool.clone(), *w)),
+                (None, _) => layer,
             })
             .collect();
         SeqCache::new(layers)
@@ -80,8 +94,8 @@ struct Node {
     parent: u64,
     /// The block's tokens: `block_tokens` of them, fewer for a partial block.
     tokens: Vec<TokenId>,
-    /// Its block in each layer's pool.
-    blocks: Vec<usize>,
+    /// Its block in each layer's pool; None where a sliding window had released it.
+    blocks: Vec<Option<usize>>,
     /// LRU clock: higher is more recent.
     used: u64,
     /// Blocks before it in its chain.
@@ -96,6 +110,8 @@ pub struct BlockIndex {
     nodes: HashMap<u64, Node>,
     children: HashMap<u64, Vec<u64>>,
     max_bytes: usize,
+    /// Bytes of the blocks the nodes hold.
+    bytes: usize,
     clock: u64,
     stats: PromptCacheStats,
 }
@@ -108,7 +124,7 @@ impl BlockIndex {
         let mut h = DefaultHasher::new();
         (identity, kind, pools.block_tokens).hash(&mut h);
         let stats = PromptCacheStats { max_bytes, ..Default::default() };
-        Self { pools, salt: h.finish(), nodes: HashMap::new(), children: HashMap::new(), max_bytes, clock: 0, stats }
+        Self { pools, salt: h.finish(), nodes: HashMap::new(), children: HashMap::new(), max_bytes, bytes: 0, clock: 0, stats }
     }
 
     fn chain(parent: u64, tokens: &[TokenId]) -> u64 {
@@ -117,12 +133,15 @@ impl BlockIndex {
         h.finish()
     }
 
-    fn node_bytes(&self) -> usize {
-        self.pools.paged().map(|p| p.block_bytes()).sum()
+    pub fn stats(&self) -> PromptCacheStats {
+        PromptCacheStats { entries: self.nodes.len(), bytes: self.bytes, ..self.stats }
     }
 
-    pub fn stats(&self) -> PromptCacheStats {
-        PromptCacheStats { entries: self.nodes.len(), bytes: self.nodes.len() * self.node_bytes(), ..self.stats }
+    /// Takes a reference on `block` of `layer` for a node.
+    fn hold(&mut self, layer: usize, block: usize) {
+        let pool = self.pools.pools[layer].as_ref().expect("every layer paged");
+        pool.retain(&[block]);
+        self.bytes += pool.block_bytes();
     }
 
     /// Keeps the blocks holding `tokens` (the first `tokens.len()` tokens of `cache`, a cache of
@@ -139,14 +158,15 @@ impl BlockIndex {
                 break;
             }
             let key = Self::chain(parent, chunk);
+            let held: Vec<Option<usize>> = layers.iter().map(|l| l.block_at(i)).collect();
             if let Some(node) = self.nodes.get_mut(&key).filter(|n| n.parent == parent && n.tokens == chunk) {
                 node.used = self.clock;
+                // Blocks a sliding window had released before: taken from this cache if it holds them.
+                let fill: Vec<(usize, usize)> = node.blocks.iter_mut().zip(&held).enumerate().filter_map(|(l, (slot, b))| (slot.is_none() && b.is_some()).then(|| (l, *slot.insert(b.expect("checked"))))).collect();
+                fill.into_iter().for_each(|(l, b)| self.hold(l, b));
             } else if !self.nodes.contains_key(&key) {
-                let blocks: Vec<usize> = layers.iter().map(|l| l.blocks()[i]).collect();
-                for (l, &b) in layers.iter().zip(&blocks) {
-                    l.pool().retain(&[b]);
-                }
-                self.nodes.insert(key, Node { parent, tokens: chunk.to_vec(), blocks, used: self.clock, depth: i });
+                held.iter().enumerate().filter_map(|(l, b)| b.map(|b| (l, b))).for_each(|(l, b)| self.hold(l, b));
+                self.nodes.insert(key, Node { parent, tokens: chunk.to_vec(), blocks: held, used: self.clock, depth: i });
                 self.children.entry(parent).or_default().push(key);
             } else {
                 return; // a hash collision: keep what is there, stop the chain
@@ -179,19 +199,22 @@ impl BlockIndex {
         let rest = &prompt[chain.len() * bt..limit];
         let common = |n: &Node| n.tokens.iter().zip(rest).take_while(|(a, b)| a == b).count();
         let part = self.children.get(&parent).and_then(|kids| kids.iter().map(|k| (*k, common(&self.nodes[k]))).filter(|(_, c)| *c > 0).max_by_key(|(_, c)| *c));
-        let tokens = chain.len() * bt + part.map_or(0, |p| p.1);
-        if tokens == 0 {
+        let whole = chain.len();
+        chain.extend(part.map(|p| p.0));
+        let Some(tokens) = self.covered_length(&chain, whole * bt + part.map_or(0, |p| p.1)) else {
             self.stats.misses += 1;
             return None;
-        }
-        chain.extend(part.map(|p| p.0));
+        };
+        chain.truncate(tokens.div_ceil(bt));
         for key in &chain {
             self.nodes.get_mut(key).expect("found above").used = self.clock;
         }
         let layers = fresh().into_layers().into_iter().enumerate().map(|(layer, _)| {
-            let blocks: Vec<usize> = chain.iter().map(|k| self.nodes[k].blocks[layer]).collect();
             let pool = self.pools.pools[layer].clone().expect("every layer paged");
-            Box::new(PagedCache::sharing(pool, &blocks, tokens)) as Box<dyn KvCache>
+            let window = self.pools.windows[layer];
+            let first = self.window_start(window, tokens) / bt;
+            let blocks: Vec<usize> = chain[first..].iter().map(|k| self.nodes[k].blocks[layer].expect("covered")).collect();
+            Box::new(PagedCache::sharing_from(pool, window, first, &blocks, tokens)) as Box<dyn KvCache>
         });
         let cache = SeqCache::new(layers.collect());
         self.stats.hits += 1;
@@ -199,13 +222,31 @@ impl BlockIndex {
         Some((cache, tokens))
     }
 
+    /// The first position the query at `t` sees in a layer of `window` (0 for full attention).
+    fn window_start(&self, window: Option<usize>, t: usize) -> usize {
+        window.map_or(0, |w| (t + 1).saturating_sub(w))
+    }
+
+    /// The longest prefix length, `tokens` or a block boundary below it, whose nodes (`chain`,
+    /// in order) hold every block the query after it reads in every layer; None if none does.
+    fn covered_length(&self, chain: &[u64], tokens: usize) -> Option<usize> {
+        let bt = self.pools.block_tokens;
+        let whole = (tokens / bt).min(chain.len());
+        let covered = |t: usize| {
+            self.pools.windows.iter().enumerate().all(|(layer, &w)| {
+                let first = self.window_start(w, t) / bt;
+                chain[first..t.div_ceil(bt)].iter().all(|k| self.nodes[k].blocks[layer].is_some())
+            })
+        };
+        std::iter::once(tokens).chain((1..=whole).rev().map(|k| k * bt)).filter(|&t| t > 0 && t <= tokens).find(|&t| covered(t))
+    }
+
     /// Evicts least recently used leaves nobody else references (deeper ones first among
     /// equals) while the index holds more than its cap.
     fn evict(&mut self) {
-        let per_node = self.node_bytes();
-        while self.nodes.len() * per_node > self.max_bytes {
+        while self.bytes > self.max_bytes {
             let pools = &self.pools.pools;
-            let unreferenced = |n: &Node| n.blocks.iter().zip(pools).all(|(&b, p)| p.as_ref().is_some_and(|p| p.refs(b) == 1));
+            let unreferenced = |n: &Node| n.blocks.iter().zip(pools).all(|(b, p)| b.is_none_or(|b| p.as_ref().is_some_and(|p| p.refs(b) == 1)));
             let victim = self
                 .nodes
                 .iter()
@@ -214,9 +255,7 @@ impl BlockIndex {
                 .map(|(k, _)| *k);
             let Some(key) = victim else { break };
             let node = self.nodes.remove(&key).expect("found above");
-            for (p, &b) in self.pools.paged().zip(&node.blocks) {
-                p.release(&[b]);
-            }
+            self.release(&node);
             if let Some(kids) = self.children.get_mut(&node.parent) {
                 kids.retain(|k| *k != key);
             }
@@ -225,12 +264,22 @@ impl BlockIndex {
     }
 }
 
+impl BlockIndex {
+    /// Drops a node's references on its blocks.
+    fn release(&mut self, node: &Node) {
+        for (p, b) in self.pools.paged().zip(&node.blocks) {
+            if let Some(b) = *b {
+                p.release(&[b]);
+                self.bytes -= p.block_bytes();
+            }
+        }
+    }
+}
+
 impl Drop for BlockIndex {
     fn drop(&mut self) {
-        for node in self.nodes.values() {
-            for (p, &b) in self.pools.paged().zip(&node.blocks) {
-                p.release(&[b]);
-            }
+        for node in std::mem::take(&mut self.nodes).values() {
+            self.release(node);
         }
     }
 }
@@ -310,6 +359,50 @@ mod tests {
         index.register(&p3, &third, false);
         drop(third);
         assert_eq!(index.stats().entries, 2, "now unreferenced, the oldest leaf went");
+        drop(index);
+        assert_eq!(pools.usage().0, 0, "every block is free again");
+    }
+
+    /// With a sliding-window layer, a prefix is shared only where the index holds the blocks of
+    /// the window before its end: the end of a long registered prompt is, an early part the
+    /// window had released is not (a miss), until a cache holding those blocks fills them in.
+    #[test]
+    fn sliding_layers_share_only_a_held_window() {
+        let dev = Device::Cpu;
+        let template = || SeqCache::new(vec![Box::new(PlainCache::new(1, 4, DType::F32, &dev)) as Box<dyn KvCache>, Box::new(crate::RotatingCache::new(1, 4, 6, DType::F32, &dev))]);
+        let pools = PagedPools::for_model(&template(), 4);
+        let mut index = BlockIndex::new(pools.clone(), "m", "kv:plain+kv:rotating", 1 << 20);
+        let fill = |tokens: &[TokenId], chunk: usize| {
+            let mut c = pools.make(template());
+            for part in tokens.chunks(chunk) {
+                let data: Vec<f32> = part.iter().flat_map(|&t| [t as f32; 4]).collect();
+                let x = Tensor::from_vec(data, (1, part.len(), 4), &dev).unwrap();
+                for i in 0..2 {
+                    c.layer(i).update_and_fetch(&x, &x).unwrap();
+                }
+            }
+            c
+        };
+        let long: Vec<TokenId> = (1..=40).collect();
+        let a = fill(&long, 1);
+        assert!(a.layer_ref(1).as_paged().unwrap().first_block() > 3, "the window released early blocks");
+        index.register(&long, &a, false);
+        drop(a);
+        let mut more = long.clone();
+        more.push(99);
+        let (hit, n) = index.take(&more, &|| pools.make(template())).unwrap();
+        assert_eq!(n, 40);
+        let sliding = hit.layer_ref(1).as_paged().unwrap();
+        assert_eq!(sliding.first_block(), (40 + 1 - 6) / 4, "only the window's blocks are shared");
+        assert_eq!(hit.layer_ref(1).state().unwrap().unwrap().k.dims()[1], 40 - sliding.first_block() * 4);
+        drop(hit);
+        let early: Vec<TokenId> = (1..=12).chain([77, 78]).collect();
+        assert!(index.take(&early, &|| pools.make(template())).is_none(), "the window before token 12 was released");
+        let b = fill(&long[..12], 12);
+        index.register(&long[..12], &b, false);
+        drop(b);
+        let (_, n) = index.take(&early, &|| pools.make(template())).unwrap();
+        assert_eq!(n, 12, "filled in by a cache that held them");
         drop(index);
         assert_eq!(pools.usage().0, 0, "every block is free again");
     }

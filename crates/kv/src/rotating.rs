@@ -183,6 +183,10 @@ impl KvCache for RotatingCache {
         "kv:rotating".into()
     }
 
+    fn sliding_shape(&self) -> Option<(usize, usize, DType, usize)> {
+        Some((self.kv_heads, self.head_dim, self.dtype, self.window))
+    }
+
     fn bytes_per_token(&self) -> usize {
         2 * self.kv_heads * self.head_dim * self.dtype.size_in_bytes()
     }

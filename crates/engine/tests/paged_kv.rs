@@ -373,9 +373,10 @@ fn gemma3_batched_requests_share_a_long_prompt_and_equal_their_solo_runs() {
     let drafted: usize = outs.iter().chain([&first]).map(|o| o.borrow().stats.as_ref().unwrap().drafted_tokens).sum();
     assert!(drafted > 0, "speculation ran on the sliding layers");
     let turn = Rc::new(RefCell::new(Out::default()));
-    // The first prompt's rows, then tokens no finished prompt has there.
-    let last = base.len() - 1;
-    let second: Vec<u32> = base[..last].iter().chain(&[base[last] ^ 1, 7]).copied().collect();
+    // Request 0's prompt rows (only it had them: the others' prompts went on differently),
+    // then tokens it did not have there.
+    let last = prompts[0].len() - 1;
+    let second: Vec<u32> = prompts[0][..last].iter().chain(&[prompts[0][last] ^ 1, 7]).copied().collect();
     batch.add(request(model, &second, 8, &turn), model.make_cache());
     run(&mut batch);
     assert_eq!(turn.borrow().stats.as_ref().unwrap().cached_tokens, last, "the finished prompt's rows are reused, partial block included");

@@ -382,3 +382,37 @@ fn gemma3_batched_requests_share_a_long_prompt_and_equal_their_solo_runs() {
     assert_eq!(turn.borrow().stats.as_ref().unwrap().cached_tokens, last, "the finished prompt's rows are reused, partial block included");
     assert!(turn.borrow().trace == solo(model, &second, 8), "the later turn differs from its solo run");
 }
+
+/// Disk files stay interchangeable with sliding layers on blocks: a Gemma 3 prompt over 2
+/// windows long kept by the contiguous layout (its rings' newest tokens, starting inside a
+/// block) is loaded into blocks by a paged batch over the same `--kv-disk`, and the turn it
+/// serves equals its uncached solo run.
+#[test]
+fn gemma3_ring_disk_file_loads_into_sliding_blocks() {
+    let _one = MODE.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(model) = open_model(GEMMA) else { return };
+    let model = model.as_ref();
+    let first = tokens_of_length(2 * 512 + 90);
+    let dir = std::env::temp_dir().join(format!("ferrolm-test-paged-gemma-disk-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let open = || ferrolm_kv::DiskTier::open(&dir, 1 << 30, "model-g").unwrap();
+    {
+        let cfg = BatchConfig { max_batch_tokens: 64, max_seqs: 8, kv_budget_bytes: 1 << 30, prompt_cache_bytes: 1 << 30 };
+        let mut batch = Batch::new(model, cfg, Default::default());
+        batch.set_disk_tier(open());
+        let out = Rc::new(RefCell::new(Out::default()));
+        batch.add(request(model, &first, 4, &out), model.make_cache());
+        run(&mut batch);
+        batch.flush_prompt_cache();
+    }
+    let second: Vec<u32> = first.iter().chain(&other_prompt(0)[1..]).copied().collect();
+    let mut batch = paged_batch(model, 1 << 30, 16);
+    batch.set_disk_tier(open());
+    let out = Rc::new(RefCell::new(Out::default()));
+    batch.add(request(model, &second, 10, &out), model.make_cache());
+    run(&mut batch);
+    assert_eq!(out.borrow().stats.as_ref().unwrap().cached_tokens, first.len() - 1, "served from the contiguous layout's file");
+    assert_eq!(batch.prompt_cache_stats().unwrap().disk_hits, 1);
+    assert!(out.borrow().trace == solo(model, &second, 10), "the file's prefix on blocks continues as uncached");
+    let _ = std::fs::remove_dir_all(&dir);
+}

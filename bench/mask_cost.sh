@@ -19,3 +19,6 @@ private=$(mktemp -d)/mask_cost
 cp "$bin" "$private"
 echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), device ${FERROLM_BENCH_DEVICE:-cpu}"
 "$private" --ignored --nocapture --test-threads 1 mask_cost_per_step 2>&1 | grep -E '^\||SKIP|panicked|test result'
+# The masks of 16 rows per step without a model, serial vs over the pool (FERROLM_THREADS sets
+# its size; FERROLM_BENCH_TOKENIZERS a folder of smollm2/ and gemma3/ tokenizer.json folders).
+"$private" --ignored --nocapture --test-threads 1 masks_of_sixteen_rows_over_threads 2>&1 | grep -E '^\||SKIP|panicked|test result'

@@ -25,10 +25,15 @@ pub enum MaskSchedule {
 }
 
 impl MaskSchedule {
-    /// Overlap where the forward runs on a device (the engine thread only launches kernels,
-    /// the cores are free); on the CPU, parallel after the forward: on the 2-core dev machine
-    /// the forward already uses both cores and overlapping slows it by more than the masks
-    /// cost (bench/results/structured.md).
+    /// Overlap where the forward runs on a device (the engine thread only launches kernels and
+    /// the cores are free: the helper spreads the masks over the pool); parallel after the
+    /// forward on the CPU, where the forward's regions already take every core of the pool.
+    /// Measured (bench/results/structured.md): 16 rows' masks over the pool take 1/5 of the
+    /// serial median and 1/9 to 1/13 of its p99 on 16 quiet cores, half on 2 quiet cores; on
+    /// the 2-core dev machine oversubscribed by other work (load 8-11) parallel was slower than
+    /// serial (its regions wait for a descheduled thread), and overlap took the masks off the
+    /// step's path with no gain in the step beyond the machine's spread. Overlap on a GPU is
+    /// not measured yet.
     pub fn for_device(device: &candle_core::Device) -> Self {
         if device.is_cpu() {
             Self::Parallel

@@ -65,14 +65,18 @@ impl PagedKv {
         hit.map(|h| h.0)
     }
 
-    /// Keeps a retired sequence's prompt rows (`cache` holds exactly `tokens`): their blocks in
-    /// the index, partial last block included, and the whole prefix in the disk tier.
-    pub fn keep(&mut self, tokens: Vec<u32>, cache: SeqCache, disk: Option<&mut PromptCache>) {
-        if let Some(index) = self.index.as_mut() {
-            index.register(&tokens, &cache, true);
-        }
-        if let Some(pc) = disk {
-            pc.put(tokens, cache); // RAM cap 0 (`PromptCache::disk_only`): written, not kept
+    /// Keeps a retired sequence's prompt rows (the first `tokens.len()` of `cache`): their
+    /// blocks in the index, partial last block included, and the whole prefix in the disk tier:
+    /// `cache` itself when it was trimmed back to them, else the index's blocks of them (a
+    /// sliding window that moved on cannot trim back, the index still holds its window).
+    pub fn keep(&mut self, tokens: Vec<u32>, cache: SeqCache, disk: Option<&mut PromptCache>, model: &dyn CausalLm) {
+        let Some(index) = self.index.as_mut() else { return };
+        index.register(&tokens, &cache, true);
+        let Some(pc) = disk else { return };
+        let (pools, whole) = (&self.pools, cache.offset() == tokens.len());
+        let from_index = (!whole).then(|| index.share(&tokens, &|| pools.make(model.make_cache()))).flatten();
+        if let Some(prefix) = from_index.or(whole.then_some(cache)) {
+            pc.put(tokens, prefix); // RAM cap 0 (`PromptCache::disk_only`): written, not kept
         }
     }
 

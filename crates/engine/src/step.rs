@@ -357,12 +357,16 @@ impl<'a> Batch<'a> {
         let sharing = self.paged.as_ref().is_some_and(PagedKv::shares_prefixes);
         let Some(tokens) = prompt_rows.filter(|_| sharing || self.prompt_cache.is_some()) else { return cache };
         let extra = cache.offset().saturating_sub(tokens.len());
-        if tokens.is_empty() || cache.offset() < tokens.len() || cache.trim(extra) != extra {
+        if tokens.is_empty() || cache.offset() < tokens.len() {
             return cache;
         }
+        // A sliding window that moved on past the prompt trims back only part way: the block
+        // index still takes the blocks and gives the disk tier its copy of the prompt rows.
+        let trimmed = cache.trim(extra) == extra;
         match (self.paged.as_mut().filter(|_| sharing), self.prompt_cache.as_mut()) {
-            (Some(paged), disk) => paged.keep(tokens, cache, disk),
-            (None, Some(pc)) => pc.put(tokens, cache),
+            (Some(paged), disk) => paged.keep(tokens, cache, disk, self.model),
+            (None, Some(pc)) if trimmed => pc.put(tokens, cache),
+            (None, Some(_)) => return cache,
             (None, None) => unreachable!("checked above"),
         }
         self.fresh_cache()

@@ -351,7 +351,11 @@ fn gemma3_batched_requests_share_a_long_prompt_and_equal_their_solo_runs() {
     let model = model.as_ref();
     let base = tokens_of_length(2 * 512 + 90);
     let bt = 16;
+    let dir = std::env::temp_dir().join(format!("ferrolm-test-paged-gemma-kept-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let open = || ferrolm_kv::DiskTier::open(&dir, 1 << 30, "model-g").unwrap();
     let mut batch = paged_batch(model, 1 << 30, bt);
+    batch.set_disk_tier(open());
     batch.set_speculation(Some(ferrolm_engine::SpecConfig { max_drafts: 4, ngram_min: 1, ngram_max: 3 }));
     let first = Rc::new(RefCell::new(Out::default()));
     batch.add(request(model, &base, 40, &first), model.make_cache());
@@ -381,6 +385,21 @@ fn gemma3_batched_requests_share_a_long_prompt_and_equal_their_solo_runs() {
     run(&mut batch);
     assert_eq!(turn.borrow().stats.as_ref().unwrap().cached_tokens, last, "the finished prompt's rows are reused, partial block included");
     assert!(turn.borrow().trace == solo(model, &second, 8), "the later turn differs from its solo run");
+    // The disk tier got the prompts whose caches could not trim back to them, from the index's
+    // blocks (a prompt superseded by a longer one is not kept): request 1's serves a new batch.
+    batch.flush_prompt_cache();
+    assert!(batch.prompt_cache_stats().unwrap().disk_entries >= 2, "{:?}", batch.prompt_cache_stats());
+    drop(batch);
+    let last = prompts[1].len() - 1;
+    let third: Vec<u32> = prompts[1][..last].iter().chain(&[prompts[1][last] ^ 1, 7]).copied().collect();
+    let mut batch = paged_batch(model, 1 << 30, bt);
+    batch.set_disk_tier(open());
+    let out = Rc::new(RefCell::new(Out::default()));
+    batch.add(request(model, &third, 8, &out), model.make_cache());
+    run(&mut batch);
+    assert_eq!((out.borrow().stats.as_ref().unwrap().cached_tokens, batch.prompt_cache_stats().unwrap().disk_hits), (last, 1), "served from disk");
+    assert!(out.borrow().trace == solo(model, &third, 8), "the disk entry continues as uncached");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Disk files stay interchangeable with sliding layers on blocks: a Gemma 3 prompt over 2

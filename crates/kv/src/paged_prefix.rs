@@ -180,7 +180,26 @@ impl BlockIndex {
     /// forward (fresh layers for the model come from `fresh`), and its length; None on a miss.
     pub fn take(&mut self, prompt: &[TokenId], fresh: &dyn Fn() -> SeqCache) -> Option<(SeqCache, usize)> {
         self.evict(); // blocks finished sequences let go of since the last call
-        let limit = prompt.len().saturating_sub(1);
+        let found = self.lookup(prompt, prompt.len().saturating_sub(1), fresh);
+        match &found {
+            Some((_, tokens)) => {
+                self.stats.hits += 1;
+                self.stats.hit_tokens += *tokens as u64;
+            }
+            None => self.stats.misses += 1,
+        }
+        found
+    }
+
+    /// A cache sharing all of `tokens` if the index holds them (and the sliding windows before
+    /// their end), not counted as a hit: a finished prompt written to the disk tier from here
+    /// when its own cache could not trim back to it.
+    pub fn share(&mut self, tokens: &[TokenId], fresh: &dyn Fn() -> SeqCache) -> Option<SeqCache> {
+        self.lookup(tokens, tokens.len(), fresh).filter(|h| h.1 == tokens.len()).map(|h| h.0)
+    }
+
+    /// The longest cached prefix of `prompt[..limit]` whose windows are held, shared.
+    fn lookup(&mut self, prompt: &[TokenId], limit: usize, fresh: &dyn Fn() -> SeqCache) -> Option<(SeqCache, usize)> {
         let bt = self.pools.block_tokens;
         self.clock += 1;
         let (mut parent, mut chain) = (self.salt, Vec::new());
@@ -201,10 +220,7 @@ impl BlockIndex {
         let part = self.children.get(&parent).and_then(|kids| kids.iter().map(|k| (*k, common(&self.nodes[k]))).filter(|(_, c)| *c > 0).max_by_key(|(_, c)| *c));
         let whole = chain.len();
         chain.extend(part.map(|p| p.0));
-        let Some(tokens) = self.covered_length(&chain, whole * bt + part.map_or(0, |p| p.1)) else {
-            self.stats.misses += 1;
-            return None;
-        };
+        let tokens = self.covered_length(&chain, whole * bt + part.map_or(0, |p| p.1))?;
         chain.truncate(tokens.div_ceil(bt));
         for key in &chain {
             self.nodes.get_mut(key).expect("found above").used = self.clock;
@@ -216,10 +232,7 @@ impl BlockIndex {
             let blocks: Vec<usize> = chain[first..].iter().map(|k| self.nodes[k].blocks[layer].expect("covered")).collect();
             Box::new(PagedCache::sharing_from(pool, window, first, &blocks, tokens)) as Box<dyn KvCache>
         });
-        let cache = SeqCache::new(layers.collect());
-        self.stats.hits += 1;
-        self.stats.hit_tokens += tokens as u64;
-        Some((cache, tokens))
+        Some((SeqCache::new(layers.collect()), tokens))
     }
 
     /// The first position the query at `t` sees in a layer of `window` (0 for full attention).

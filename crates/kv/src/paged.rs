@@ -1,5 +1,6 @@
-//! Paged KV (`--kv-layout paged`): per full-attention layer one pool of fixed-size blocks shared
-//! by every sequence, and per sequence a block table. A block is `[kv_heads, B, head_dim]`: each
+//! Paged KV (`--kv-layout paged`): per float layer (full attention, or a sliding window whose
+//! blocks are released as the window leaves them, see `PagedCache`) one pool of fixed-size
+//! blocks shared by every sequence, and per sequence a block table. A block is `[kv_heads, B, head_dim]`: each
 //! head's rows of a block are contiguous, as in a contiguous cache, so attention streams them
 //! alike (token-major blocks, each head's rows strided, measured 30-45% slower decode attention
 //! than contiguous at 4k keys; head-major ones 0-25%, docs/paged_kv.md).

@@ -134,8 +134,15 @@ fn backoff(spins: &mut u32) {
     }
 }
 
-/// Runs `f` over `0..n` split into at most `num_threads()` contiguous ranges whose lengths are
-/// multiples of `align`; runs inline when the work is too small to be worth a handoff.
+/// Pieces of a region per thread: each thread starts on its own piece and then takes the next
+/// unclaimed one, so a thread that the OS preempts, or that drew costlier rows (attention items
+/// over longer contexts), does not leave the other waiting at the region's end. Each piece is
+/// still one contiguous range (one weight stream), and which thread runs a row never changes
+/// its arithmetic.
+const PIECES_PER_THREAD: usize = 4;
+
+/// Runs `f` over `0..n` split into contiguous ranges whose lengths are multiples of `align`,
+/// spread over the threads; runs inline when the work is too small to be worth a handoff.
 pub fn parallel_ranges(n: usize, align: usize, worth_splitting: bool, f: impl Fn(Range<usize>) + Sync) {
     let threads = num_threads();
     if !worth_splitting || threads <= 1 || n <= align {
@@ -143,11 +150,14 @@ pub fn parallel_ranges(n: usize, align: usize, worth_splitting: bool, f: impl Fn
         return;
     }
     let units = n.div_ceil(align);
-    let per = units.div_ceil(threads) * align;
+    let per = units.div_ceil(units.min(threads * PIECES_PER_THREAD)) * align;
+    let pieces = n.div_ceil(per);
+    let next = AtomicUsize::new(threads);
     pool().run(&|i| {
-        let range = (i * per).min(n)..((i + 1) * per).min(n);
-        if !range.is_empty() {
-            f(range);
+        let mut piece = i;
+        while piece < pieces {
+            f(piece * per..((piece + 1) * per).min(n));
+            piece = next.fetch_add(1, Ordering::Relaxed);
         }
     });
 }

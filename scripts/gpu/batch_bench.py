@@ -4,7 +4,9 @@ For each batch size N: ferrolm's aggregate decode tok/s (`ferrolm bench --concur
 sequences of 512-token prompts, 128 greedy tokens each, through the engine step), the batched
 roofline (bytes one step reads: the weights once plus every sequence's K/V, over the measured
 device copy bandwidth) and transformers `generate` on the same weights at the same batch size
-(bf16, eager, greedy). Appends rows to OUT_DIR/batch_bench.json and prints a markdown table."""
+(bf16, eager, greedy). With N > 1 ferrolm runs twice in the same call: batched decode steps
+replayed as captured graphs (the default) and eager (FERROLM_BATCH_GRAPHS=0), for the A/B.
+Appends rows to OUT_DIR/batch_bench.json and prints a markdown table."""
 import json, os, subprocess, sys, time
 import torch, transformers
 from common import d2d_bandwidth
@@ -36,12 +38,13 @@ def kv_bytes_per_token():
     return 2 * 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * d
 
 
-def ferrolm(n):
+def ferrolm(n, graphs=True):
     cmd = [f"{BIN}/ferrolm", "bench", "--model", path, "--device", "cuda", "--prompt-tokens", str(PROMPT),
            "--decode-tokens", str(DECODE), "--runs", "2" if n == 1 else "1", "--json"]
     if n > 1:
         cmd += ["--concurrency", str(n), "--max-batch-tokens", "4096"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
+    env = dict(os.environ, FERROLM_BATCH_GRAPHS="1" if graphs else "0")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=500, env=env)
     if p.returncode != 0:
         log(f"ferrolm N={n} failed: {p.stderr[-1500:]}")
         return None
@@ -73,20 +76,23 @@ wb, kvt = weight_bytes(), kv_bytes_per_token()
 rows = results.setdefault(SHAPE, {})
 for n in BATCHES:
     f = ferrolm(n)
+    e = ferrolm(n, graphs=False) if n > 1 else None
     h = hf(n) if os.environ.get("NO_HF") != "1" else None
     # Mean context over the decode: the prompt plus half the new tokens.
     step_bytes = wb + n * kvt * (PROMPT + DECODE // 2)
     roof = n * bw / step_bytes
-    rows[str(n)] = {"ferrolm": f, "transformers": h, "roofline_tps": roof, "step_bytes": step_bytes}
+    rows[str(n)] = {"ferrolm": f, "ferrolm_eager": e, "transformers": h, "roofline_tps": roof, "step_bytes": step_bytes}
     json.dump(results, open(results_file, "w"), indent=1)
     fd = f["decode_tps"] if f else float("nan")
     hd = h["decode_tps"] if h else float("nan")
-    log(f"{SHAPE} N={n}: ferrolm {fd:.0f} tok/s, roofline {roof:.0f} ({fd / roof:.1%}), transformers {hd:.0f} ({fd / hd:.2f}x)")
+    ed = e["decode_tps"] if e else float("nan")
+    log(f"{SHAPE} N={n}: ferrolm {fd:.0f} tok/s (eager steps {ed:.0f}), roofline {roof:.0f} ({fd / roof:.1%}), transformers {hd:.0f} ({fd / hd:.2f}x)")
 
-log(f"\n| shape | N | ferrolm decode tok/s | batched roofline | share | transformers | ratio |")
-log("|---|---|---|---|---|---|---|")
+log(f"\n| shape | N | ferrolm decode tok/s (graphs) | eager steps | graphs / eager | batched roofline | share | transformers | ratio |")
+log("|---|---|---|---|---|---|---|---|---|")
 for n in BATCHES:
     r = rows[str(n)]
     fd = r["ferrolm"]["decode_tps"] if r["ferrolm"] else float("nan")
     hd = r["transformers"]["decode_tps"] if r["transformers"] else float("nan")
-    log(f"| {SHAPE} | {n} | {fd:,.0f} | {r['roofline_tps']:,.0f} | {fd / r['roofline_tps']:.1%} | {hd:,.0f} | {fd / hd:.2f}x |")
+    ed = r["ferrolm_eager"]["decode_tps"] if r.get("ferrolm_eager") else float("nan")
+    log(f"| {SHAPE} | {n} | {fd:,.0f} | {ed:,.0f} | {fd / ed:.2f}x | {r['roofline_tps']:,.0f} | {fd / r['roofline_tps']:.1%} | {hd:,.0f} | {fd / hd:.2f}x |")

@@ -173,6 +173,59 @@ pub fn append_and_attend_batch(
     Ok(None)
 }
 
+/// 64-bit words per row of a batched decode table ([`decode_table_row`]).
+pub const DECODE_TABLE_FIELDS: usize = 5;
+
+/// Keys per split of the device decode attention: a row at position `pos` needs
+/// `(pos + 1).div_ceil(DECODE_SPLIT_KEYS)` of [`append_and_attend_table`]'s splits.
+pub const DECODE_SPLIT_KEYS: usize = 64;
+#[cfg(feature = "cuda")]
+const _: () = assert!(DECODE_SPLIT_KEYS == crate::cuda::ops::ATTN_CHUNK && DECODE_TABLE_FIELDS == crate::cuda::ops::BATCH_FIELDS);
+
+/// One row of a batched decode table on devices with the batched kernel (CUDA): a sequence's
+/// whole cache buffers `[Hkv, capacity, D]` (capacity > `pos`), its position, and the first of
+/// its partial rows (row i of a table of [`append_and_attend_table`] with `splits`:
+/// i · Hq · splits). None elsewhere, or when the buffers are not what the kernel reads.
+pub fn decode_table_row(k: &Tensor, v: &Tensor, pos: usize, first_part: usize) -> Result<Option<[i64; DECODE_TABLE_FIELDS]>> {
+    #[cfg(feature = "cuda")]
+    if matches!(k.device(), Device::Cuda(_)) {
+        return crate::cuda::ops::decode_table_row(k, v, pos, first_part);
+    }
+    let _ = (k, v, pos, first_part);
+    Ok(None)
+}
+
+/// A batch of decode rows through a table already on the device (i64 `[B · DECODE_TABLE_FIELDS]`
+/// of [`decode_table_row`]s): each row's q, k, v (`[B, H·D]`, unrotated) are rotated, its key and
+/// value appended at its position in its buffers, and its keys attended; one launch whose
+/// arguments depend only on B and `splits` (at least every row's split count), so that a captured
+/// step stays valid while the table's rows change. Each row equals [`append_and_attend_batch`]'s
+/// bit for bit. None where the device has no such kernel.
+pub struct TableStep<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub table: &'a Tensor,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub splits: usize,
+    pub rope: &'a Rope,
+    pub params: &'a AttentionParams,
+}
+
+pub fn append_and_attend_table(s: &TableStep<'_>) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if matches!(s.q.device(), Device::Cuda(_)) {
+        use crate::cuda::ops::{attend_decode_table, DecodeTable, RopeTables};
+        let (cos, sin, interleaved) = s.rope.tables()?;
+        let rope = RopeTables { cos, sin, interleaved };
+        let t = DecodeTable { q: s.q, k: s.k, v: s.v, table: s.table, hkv: s.kv_heads, d: s.head_dim, splits: s.splits, rope, params: s.params };
+        return attend_decode_table(&t);
+    }
+    let _ = s;
+    Ok(None)
+}
+
 /// buf `[Hkv, capacity, D]` ← x `[1, Hkv, D]` at token index `pos` (one u32 on the device).
 pub fn write_at(buf: &Tensor, x: &Tensor, pos: &Tensor) -> Result<()> {
     let (_, h, d) = x.dims3()?;

@@ -10,6 +10,11 @@ pub struct StepGraph {
     graph: crate::cuda::graph::Captured,
 }
 
+// SAFETY: the graph's handles are plain driver objects, usable from any thread: cudarc binds
+// the owning context to the calling thread before each launch, upload and destroy. A model keeps
+// its batched step graphs behind a mutex (one thread at a time).
+unsafe impl Send for StepGraph {}
+
 /// Whether steps on `device` can be captured.
 pub fn supported(device: &Device) -> bool {
     cfg!(feature = "cuda") && matches!(device, Device::Cuda(_))

@@ -50,7 +50,10 @@ impl KvArgs {
     }
 
     /// Sets the scheme on `model`; a model or device that cannot take it is a usage error.
+    /// Also sets whether batched decode steps are captured (`FERROLM_BATCH_GRAPHS`, read here
+    /// once).
     pub fn apply(&self, model: &mut dyn CausalLm) -> CliResult<()> {
+        model.set_batch_graphs(ferrolm_models::batch_graph::BatchGraphSettings::from_env());
         model.set_kv_scheme(self.scheme()?).map_err(CliError::usage)
     }
 }

@@ -493,6 +493,7 @@ fn load(args: &Args) -> CliResult<bundle::Bundle> {
     progress.finish(loaded.is_ok());
     let mut bundle = loaded.map_err(CliError::usage)?;
     bundle.model.set_kv_scheme(args.kv_scheme()?).map_err(CliError::usage)?;
+    bundle.model.set_batch_graphs(ferrolm_models::batch_graph::BatchGraphSettings::from_env());
     if args.kv_layout == "paged" && (!bundle.model.device().is_cpu() || ranks > 1) {
         return Err(CliError::usage("--kv-layout paged runs on the CPU, without --tensor-parallel, for now"));
     }

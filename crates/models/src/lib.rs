@@ -2,6 +2,7 @@
 //! shared layers, loaders and a single registry. Models are stateless about caching: they write
 //! through the caches the caller passes in.
 
+pub mod batch_graph;
 pub mod bert;
 pub mod config;
 pub mod gemma3;

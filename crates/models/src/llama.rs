@@ -10,7 +10,8 @@ use candle_core::{DType, Device, Result, Tensor};
 use ferrolm_backend::norm::RmsNorm;
 use ferrolm_backend::{AttentionParams, Linear, Rope, RopeStyle, RowInput};
 use ferrolm_kv::{KvCache, KvScheme, RotatingCache, SeqCache};
-use std::sync::Arc;
+use crate::batch_graph::{BatchGraphSettings, BatchGraphs, ModelShape};
+use std::sync::{Arc, Mutex};
 
 /// Hyper-parameters, named as in Hugging Face `config.json`.
 #[derive(Clone, Debug)]
@@ -176,6 +177,8 @@ pub struct Llama {
     device: Device,
     /// How full-attention layers cache keys and values (`--kv-bits`).
     kv: KvScheme,
+    /// Captured batched decode steps per batch-size bucket (`batch_graph`).
+    batch_graphs: Mutex<BatchGraphs>,
 }
 
 impl Llama {
@@ -220,6 +223,7 @@ impl Llama {
             device: device.clone(),
             cfg,
             kv: KvScheme::default(),
+            batch_graphs: Mutex::new(BatchGraphs::new(BatchGraphSettings::default())),
         })
     }
 
@@ -239,6 +243,38 @@ impl Llama {
             x = mlp.forward_row(&x, &layer.ffn_norm)?;
         }
         Ok(Some(x))
+    }
+
+    /// A forward of one-token decode rows only, through a captured step of their batch-size
+    /// bucket (`batch_graph`); None when the batch, the model or the device does not take it.
+    fn batched_step(&self, batch: &mut [SeqInput<'_>]) -> Result<Option<Tensor>> {
+        if batch.is_empty() || !self.has_static_decode() || !ferrolm_backend::graph::supported(&self.device) {
+            return Ok(None);
+        }
+        let c = &self.cfg;
+        let shape = ModelShape { layers: c.num_hidden_layers, heads: c.num_attention_heads, hidden: c.hidden_size, dtype: ferrolm_backend::activation_dtype(&self.device) };
+        let mut graphs = self.batch_graphs.lock().map_err(|_| candle_core::Error::Msg("batched step graphs: a step panicked".into()))?;
+        let step = |tokens: &Tensor, tables: &Tensor, splits: usize| self.table_hidden(tokens, tables, splits);
+        graphs.forward(&self.device, &shape, batch, &|| self.make_cache(), &step)
+    }
+
+    /// The batched step over device inputs (`batch_graph::TableStep`): token ids `[B]`, each
+    /// layer's decode table, the attention's split count → the final-normed hidden rows.
+    fn table_hidden(&self, tokens: &Tensor, tables: &Tensor, splits: usize) -> Result<Option<Tensor>> {
+        let rows = layers::BatchRows::decode_only(tokens.dim(0)?);
+        let mut x = self.embed.forward_tensor(tokens, &self.device)?;
+        let Some(first) = self.layers.first() else { return Ok(None) };
+        let mut normed = first.attn_norm.forward(&x)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let Some(h) = layer.attn.forward_table(&normed, &tables.get(i)?, splits)? else { return Ok(None) };
+            let (sum, ffn_in) = layer.ffn_norm.forward_add(&x, &h)?;
+            let h = layer.mlp.forward(&ffn_in, &rows, i)?;
+            match self.layers.get(i + 1) {
+                Some(next) => (x, normed) = next.attn_norm.forward_add(&sum, &h)?,
+                None => x = (sum + h)?,
+            }
+        }
+        self.norm.forward(&x).map(Some)
     }
 
     /// The final norm and the f32 logits of a static step's hidden row: inside the head's
@@ -400,7 +436,14 @@ impl CausalLm for Llama {
         Ok(())
     }
 
+    fn set_batch_graphs(&mut self, settings: BatchGraphSettings) {
+        self.batch_graphs = Mutex::new(BatchGraphs::new(settings));
+    }
+
     fn forward_hidden(&self, batch: &mut [SeqInput<'_>]) -> Result<Tensor> {
+        if let Some(hidden) = self.batched_step(batch)? {
+            return Ok(hidden);
+        }
         let rows = layers::BatchRows::of(batch)?;
         let mut x = self.embed.forward(&layers::BatchRows::ids(batch), &self.device)?;
         // Each residual add goes with the norm after it (one kernel for both on CUDA).

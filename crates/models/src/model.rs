@@ -72,6 +72,12 @@ pub trait CausalLm: Send + Sync {
             KvScheme::Quant(_) => Err(format!("quantized KV is not implemented for {}", self.info().architecture)),
         }
     }
+    /// Whether batched decode steps are captured per batch-size bucket (`batch_graph`; read
+    /// once at start). Models without such steps ignore it.
+    fn set_batch_graphs(&mut self, settings: crate::batch_graph::BatchGraphSettings) {
+        let _ = settings;
+    }
+
     /// The dense linears a LoRA adapter may target, to check adapters against when they are
     /// mounted; None: this model does not take adapters (requests with one are refused then).
     fn lora_base(&self) -> Option<LoraBase> {

@@ -270,22 +270,129 @@ pub fn attend_decode_batch(a: &DecodeBatch<'_>) -> Result<Option<Tensor>> {
         rows += hq * nsplit;
         most = most.max(nsplit);
     }
-    let seqs = Tensor::from_vec(fields, b * 5, a.q.device())?;
-    let part_m = alloc(&dev, rows, DType::F32)?;
-    let part_l = alloc(&dev, rows, DType::F32)?;
-    let part_acc = alloc(&dev, rows * d, DType::F32)?;
-    let counters = Tensor::zeros(b * hkv, DType::U32, a.q.device())?;
-    let out = alloc(&dev, (b, hq * d), dtype)?;
-    let p = a.params;
-    let g4 = if dtype == DType::BF16 && hq / hkv <= 4 { "_g4" } else { "" };
+    let seqs = Tensor::from_vec(fields, b * BATCH_FIELDS, a.q.device())?;
+    let shape = BatchShape { b, hq, hkv, d, splits: most, part_rows: rows };
+    launch_batch(&dev, sfx, a.q, a.k, a.v, &seqs, shape, &a.rope, a.params).map(Some)
+}
+
+/// 64-bit words per sequence of a batched decode table (BATCH_FIELDS in kernels.cu).
+pub const BATCH_FIELDS: usize = 5;
+
+/// The grid and partial-row sizes of one `fl_attn_batch_*` launch.
+#[derive(Clone, Copy)]
+struct BatchShape {
+    b: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    /// The grid's split dimension (items past a row's own splits return at once).
+    splits: usize,
+    part_rows: usize,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn launch_batch(
+    dev: &candle_core::cuda_backend::CudaDevice,
+    sfx: &str,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqs: &Tensor,
+    s: BatchShape,
+    rope: &RopeTables<'_>,
+    p: &AttentionParams,
+) -> Result<Tensor> {
+    let dtype = q.dtype();
+    let part_m = alloc(dev, s.part_rows, DType::F32)?;
+    let part_l = alloc(dev, s.part_rows, DType::F32)?;
+    let part_acc = alloc(dev, s.part_rows * s.d, DType::F32)?;
+    // Zero before the first launch; the last block of each head leaves its counter at zero.
+    let counters = super::alloc_zeroed_u32(dev, s.b * s.hkv)?;
+    let out = alloc(dev, (s.b, s.hq * s.d), dtype)?;
+    let g4 = if dtype == DType::BF16 && s.hq / s.hkv <= 4 { "_g4" } else { "" };
     launch!(
-        dev, &format!("fl_attn_batch_{sfx}_d{d}{g4}"), (hkv as u32, most as u32, b as u32), 128,
-        ptr(a.q)?, ptr(&seqs)?, ptr(a.rope.cos)?, ptr(a.rope.sin)?, (hq / hkv) as i32, hkv as i32,
-        p.window.unwrap_or(0) as i32, p.scale, p.softcap.unwrap_or(0.0), a.rope.interleaved as i32,
-        ptr(&part_m)?, ptr(&part_l)?, ptr(&part_acc)?, ptr(a.k)?, ptr(a.v)?, ptr(&counters)?, ptr(&out)?,
-        a.q.stride()[0] as i64, a.k.stride()[0] as i64, a.v.stride()[0] as i64
+        dev, &format!("fl_attn_batch_{sfx}_d{}{g4}", s.d), (s.hkv as u32, s.splits as u32, s.b as u32), 128,
+        ptr(q)?, ptr(seqs)?, ptr(rope.cos)?, ptr(rope.sin)?, (s.hq / s.hkv) as i32, s.hkv as i32,
+        p.window.unwrap_or(0) as i32, p.scale, p.softcap.unwrap_or(0.0), rope.interleaved as i32,
+        ptr(&part_m)?, ptr(&part_l)?, ptr(&part_acc)?, ptr(k)?, ptr(v)?, ptr(&counters)?, ptr(&out)?,
+        q.stride()[0] as i64, k.stride()[0] as i64, v.stride()[0] as i64
     );
-    Ok(Some(out))
+    Ok(out)
+}
+
+/// Keys per split of the decode attention for a row at `pos` (its grid items).
+pub fn decode_splits(pos: usize) -> usize {
+    (pos + 1).div_ceil(ATTN_CHUNK)
+}
+
+/// One row of a batched decode table (see [`attend_decode_table`]): a sequence's whole cache
+/// buffers `[Hkv, capacity, D]` (capacity > `pos`), its position, and the first of its partial
+/// rows (`first_part`; it takes Hq · splits rows from there). None when the buffers are not
+/// what the kernel reads (not contiguous, 16-byte aligned, on a CUDA device, of one dtype).
+pub fn decode_table_row(k: &Tensor, v: &Tensor, pos: usize, first_part: usize) -> Result<Option<[i64; BATCH_FIELDS]>> {
+    let fits = |t: &Tensor| t.dtype() == k.dtype() && t.is_contiguous() && t.dims() == k.dims() && t.dims3().is_ok_and(|(_, cap, _)| cap > pos);
+    if suffix(k.dtype()).is_none() || !fits(k) || !fits(v) || !k.device().is_cuda() || !v.device().is_cuda() {
+        return Ok(None);
+    }
+    let (kp, vp) = (ptr(k)?, ptr(v)?);
+    if kp % 16 != 0 || vp % 16 != 0 {
+        return Ok(None);
+    }
+    Ok(Some([kp as i64, vp as i64, k.stride()[0] as i64, pos as i64, first_part as i64]))
+}
+
+/// [`attend_decode_batch`] with the sequences' table already on the device (`table`: i64
+/// `[B · BATCH_FIELDS]`, rows of [`decode_table_row`], the first partial row of row i at
+/// i · Hq · `splits`) and the grid's split dimension fixed at `splits` (at least every row's
+/// [`decode_splits`]): the launch's arguments then do not depend on the sequences, so a captured
+/// step stays valid while they come and go (the caller rewrites the table before each replay).
+/// Each row equals its [`attend_decode_batch`] result bit for bit (the same items; the extra
+/// ones return at once). The caller guarantees the table's buffers are `[hkv, capacity, d]` in
+/// q's dtype.
+pub struct DecodeTable<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub table: &'a Tensor,
+    pub hkv: usize,
+    pub d: usize,
+    pub splits: usize,
+    pub rope: RopeTables<'a>,
+    pub params: &'a AttentionParams,
+}
+
+pub fn attend_decode_table(a: &DecodeTable<'_>) -> Result<Option<Tensor>> {
+    let Some(dev) = cuda_device(a.q).filter(|_| policy().kernels) else { return Ok(None) };
+    let Some(sfx) = suffix(a.q.dtype()) else { return Ok(None) };
+    let (Ok((b, qw)), Ok((bk, kw)), Ok((bv, vw))) = (a.q.dims2(), a.k.dims2(), a.v.dims2()) else { return Ok(None) };
+    let (hkv, d) = (a.hkv, a.d);
+    let hq = qw / d.max(1);
+    let rows_ok = |t: &Tensor| -> Result<bool> {
+        let s = t.stride();
+        Ok(t.dtype() == a.q.dtype() && cuda_device(t).is_some() && s[1] == 1 && (s[0] * t.dtype().size_in_bytes()) % 16 == 0 && ptr(t)? % 16 == 0)
+    };
+    let inputs_ok = bk == b
+        && bv == b
+        && b > 0
+        && kw == hkv * d
+        && vw == kw
+        && qw == hq * d
+        && matches!(d, 64 | 128 | 256)
+        && hkv > 0
+        && hq % hkv == 0
+        && hq / hkv <= ATTN_MAX_G
+        && a.splits > 0
+        && a.table.dtype() == DType::I64
+        && a.table.is_contiguous()
+        && a.table.elem_count() == b * BATCH_FIELDS
+        && cuda_device(a.table).is_some()
+        && f32_on_device(a.rope.cos)
+        && f32_on_device(a.rope.sin);
+    if !inputs_ok || !rows_ok(a.q)? || !rows_ok(a.k)? || !rows_ok(a.v)? {
+        return Ok(None);
+    }
+    let shape = BatchShape { b, hq, hkv, d, splits: a.splits, part_rows: b * hq * a.splits };
+    launch_batch(&dev, sfx, a.q, a.k, a.v, a.table, shape, &a.rope, a.params).map(Some)
 }
 
 /// The argmax of each row of f32 logits `[rows, n]` (first index on ties, as the host sampler's

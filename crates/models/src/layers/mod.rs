@@ -1,6 +1,7 @@
 //! Building blocks shared by the architectures.
 
 mod attention;
+mod attention_table;
 mod decoder;
 mod embedding;
 mod fused;
@@ -56,6 +57,13 @@ impl BatchRows {
         }
         let lora = batch.iter().map(|s| s.lora.clone()).collect();
         Ok(Self { spans, decode_rows, lora })
+    }
+
+    /// `n` one-token decode rows without adapters (a batched step over device inputs: the
+    /// positions are the table's, not these spans').
+    pub fn decode_only(n: usize) -> Self {
+        let spans = (0..n).map(|row| Span { row, len: 1, position: 0, kind: RowKind::Decode }).collect();
+        Self { spans, decode_rows: n, lora: vec![None; n] }
     }
 
     /// Every token id of the batch in row order.

@@ -59,10 +59,21 @@ pub fn attend_prompt_quant(q: &Tensor, k: &Tensor, v: &Tensor, quant: Option<KvQ
 /// The CPU kernels read the rows through the table; the arithmetic, and so every bit of the
 /// result, is that of the same keys and values held contiguously. CPU only.
 pub fn attend_paged(q: &Tensor, k: &Tensor, v: &Tensor, table: &BlockTable, pos: Positions, p: &AttentionParams, prompt: bool) -> candle_core::Result<Tensor> {
+    attend_paged_quant(q, k, v, None, table, pos, p, prompt)
+}
+
+/// `attend_paged` over pools stored as `quant` says: `None` f16 or f32, else quantized rows
+/// (U8 pools `[blocks, Hkv, B, row_bytes]`, see `kv_quant`), read through the table by the
+/// same kernels as a contiguous quantized cache, with the same bits.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_paged_quant(q: &Tensor, k: &Tensor, v: &Tensor, quant: Option<KvQuant>, table: &BlockTable, pos: Positions, p: &AttentionParams, prompt: bool) -> candle_core::Result<Tensor> {
     let (t, hq, d) = q.dims3()?;
     let hkv = table.kv_heads(k.layout())?;
     if table.kv_heads(v.layout())? != hkv || hq % hkv != 0 {
         candle_core::bail!("paged attention: {hq} query heads over {hkv} kv heads")
+    }
+    if let Some(qf) = quant {
+        return attend_quantized(q, k, v, qf, Some(table), pos, p, prompt);
     }
     let dt = k.dtype();
     if !matches!(q.device(), Device::Cpu) || q.dtype() != DType::F32 || v.dtype() != dt || !matches!(dt, DType::F16 | DType::F32) {
@@ -78,7 +89,7 @@ pub fn attend_paged(q: &Tensor, k: &Tensor, v: &Tensor, table: &BlockTable, pos:
 
 fn attend_as(q: &Tensor, k: &Tensor, v: &Tensor, quant: Option<KvQuant>, pos: Positions, p: &AttentionParams, prompt: bool) -> candle_core::Result<Tensor> {
     if let Some(qf) = quant {
-        return attend_quantized(q, k, v, qf, pos, p, prompt);
+        return attend_quantized(q, k, v, qf, None, pos, p, prompt);
     }
     let (_, hq, _) = q.dims3()?;
     let (hkv, _, _) = k.dims3()?;
@@ -108,23 +119,37 @@ fn attend_as(q: &Tensor, k: &Tensor, v: &Tensor, quant: Option<KvQuant>, pos: Po
 /// Attention over quantized rows: the decode and tiled kernels read them directly (decode
 /// dequantizes in registers, the tiled kernel while packing its panels); the per-row kernel
 /// (2 or 3 rows without AVX-512 decode) and other devices get the rows dequantized to f32.
-fn attend_quantized(q: &Tensor, k: &Tensor, v: &Tensor, quant: KvQuant, pos: Positions, p: &AttentionParams, prompt: bool) -> candle_core::Result<Tensor> {
+/// `table`: k and v are paged pools `[blocks, Hkv, B, row_bytes]` read through it.
+#[allow(clippy::too_many_arguments)]
+fn attend_quantized(q: &Tensor, k: &Tensor, v: &Tensor, quant: KvQuant, table: Option<&BlockTable>, pos: Positions, p: &AttentionParams, prompt: bool) -> candle_core::Result<Tensor> {
     let (t, hq, d) = q.dims3()?;
-    let (hkv, _, row) = k.dims3()?;
+    let (hkv, row) = match table {
+        Some(table) => (table.kv_heads(k.layout())?, k.dims()[3]),
+        None => {
+            let (hkv, _, row) = k.dims3()?;
+            (hkv, row)
+        }
+    };
     if hq % hkv != 0 {
         candle_core::bail!("attention: {hq} query heads are not a multiple of {hkv} kv heads")
     }
-    if k.dtype() != DType::U8 || v.dtype() != DType::U8 || row != quant.row_bytes(d) {
+    if k.dtype() != DType::U8 || v.dtype() != DType::U8 || row != quant.row_bytes(d) || v.dims() != k.dims() {
         candle_core::bail!("attention: {} keys are not {} rows of head size {d}", k.dtype().as_str(), quant.name())
     }
     let direct = prompt || (t == 1 && decode_kernel(d)) || t >= TILED_MIN_TOKENS;
     if matches!(q.device(), Device::Cpu) && q.dtype() == DType::F32 && direct {
         // Rotated rows: queries rotated alike, the output (rotated values) rotated back.
         let q = if quant.rotate { kv_quant::rotate(q)? } else { q.contiguous()? };
-        let out = q.apply_op3_no_bwd(k, v, &AttendCpu { pos, params: *p, prompt, quant: Some(quant), table: None })?;
+        let out = q.apply_op3_no_bwd(k, v, &AttendCpu { pos, params: *p, prompt, quant: Some(quant), table })?;
         return unrotate_heads(out, quant, d);
     }
-    let (k, v) = (kv_quant::dequantize(quant, k, d)?, kv_quant::dequantize(quant, v, d)?);
+    // The per-row kernel reads f32: the rows dequantized (for a paged cache, its own blocks
+    // gathered first), the same values in the same order as a contiguous cache's.
+    let (k, v, pos) = match table {
+        Some(table) => (table.gather(k)?, table.gather(v)?, pos),
+        None => (k.clone(), v.clone(), pos),
+    };
+    let (k, v) = (kv_quant::dequantize(quant, &k, d)?, kv_quant::dequantize(quant, &v, d)?);
     attend_as(q, &k.to_dtype(q.dtype())?, &v.to_dtype(q.dtype())?, None, pos, p, prompt)
 }
 
@@ -157,7 +182,7 @@ impl DecodeQuery<'_> {
         let keys = (pos.query_start + 1).saturating_sub(pos.key_start);
         let q = self.q.narrow(0, r, 1)?;
         match table {
-            Some(table) => attend_paged(&q, self.k, self.v, &table.truncated(keys), pos, p, false),
+            Some(table) => attend_paged_quant(&q, self.k, self.v, self.quant, &table.truncated(keys), pos, p, false),
             None => {
                 let keys = keys.min(self.k.dims()[1]);
                 let (k, v) = (self.k.narrow(1, 0, keys)?, self.v.narrow(1, 0, keys)?);
@@ -224,7 +249,6 @@ fn decode_batch_cpu(queries: &[DecodeQuery<'_>], tables: &[Option<&BlockTable>],
     match (kv_dtype, quant) {
         (DType::F16, None) => decode_batch_typed::<FloatRows<half::f16>>(queries, tables, p).map(Some),
         (DType::F32, None) => decode_batch_typed::<FloatRows<f32>>(queries, tables, p).map(Some),
-        _ if tables.iter().any(Option::is_some) => Ok(None),
         (DType::U8, Some(qf)) if qf.rotate => {
             // Each query rotated on its own, and each output row rotated back on its own: a
             // row's bits do not depend on the rest of the batch.
@@ -267,11 +291,12 @@ struct QuantRows;
 impl RowsOf for QuantRows {
     type R<'a> = QKv<'a>;
     fn view<'a>(s: &'a CpuStorage, l: &Layout, quant: Option<KvQuant>, d: usize, paged: Option<(&BlockTable, &'a [usize])>) -> candle_core::Result<QKv<'a>> {
-        if paged.is_some() {
-            candle_core::bail!("attention: quantized rows are not paged")
-        }
         let quant = quant.ok_or_else(|| candle_core::Error::Msg("attention: quantized rows without a format".into()))?;
-        qkv_view(s.as_slice::<u8>()?, l, quant, d)
+        let rows = match paged {
+            Some((table, offsets)) => table.view(s.as_slice::<u8>()?, l, offsets),
+            None => kv_view(s.as_slice::<u8>()?, l)?,
+        };
+        qkv_of(rows, l, quant, d)
     }
 }
 
@@ -395,7 +420,7 @@ impl CustomOp3 for AttendCpu<'_> {
         let mut out = vec![0f32; t * hq * d];
         if let Some(quant) = self.quant {
             let (CpuStorage::U8(kd), CpuStorage::U8(vd)) = (ks, vs) else { candle_core::bail!("attention: expected quantized (u8) kv") };
-            let (k, v) = (qkv_view(kd, kl, quant, d)?, qkv_view(vd, vl, quant, d)?);
+            let (k, v) = (qkv_of(self.view(kd, kl, &offsets)?, kl, quant, d)?, qkv_of(self.view(vd, vl, &offsets)?, vl, quant, d)?);
             self.quantized(q, (t, hq, hkv, s, d), k, v, &mut out)?;
             return Ok((CpuStorage::F32(out), Shape::from((t, hq * d))));
         }
@@ -505,13 +530,14 @@ fn kv_view<'a, E>(data: &'a [E], layout: &Layout) -> candle_core::Result<Kv<'a, 
     Ok(Kv::contiguous(&data[layout.start_offset()..], stride[0], stride[1]))
 }
 
-/// A `[H, S, row_bytes]` view of quantized rows of head size `d`.
-fn qkv_view<'a>(data: &'a [u8], layout: &Layout, quant: KvQuant, d: usize) -> candle_core::Result<QKv<'a>> {
-    let kv = kv_view(data, layout)?;
-    if layout.dims()[2] != quant.row_bytes(d) {
-        candle_core::bail!("attention: rows of {} bytes are not {} rows of head size {d}", layout.dims()[2], quant.name())
+/// Rows of bytes (`[H, S, row_bytes]`, or a pool `[blocks, H, B, row_bytes]` through a table)
+/// as quantized rows of head size `d`.
+fn qkv_of<'a>(rows: Kv<'a, u8>, layout: &Layout, quant: KvQuant, d: usize) -> candle_core::Result<QKv<'a>> {
+    let width = *layout.dims().last().unwrap_or(&0);
+    if width != quant.row_bytes(d) {
+        candle_core::bail!("attention: rows of {width} bytes are not {} rows of head size {d}", quant.name())
     }
-    Ok(QKv { data: kv.data, head_stride: kv.head_stride, token_stride: kv.token_stride, quant, d })
+    Ok(QKv { rows, quant, d })
 }
 
 /// From this many new tokens on, the tiled kernel (`cpu::attn`) runs; below, one query row at

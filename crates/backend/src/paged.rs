@@ -5,7 +5,7 @@
 //! table (`cpu::attn::Kv`), never through a gathered copy.
 
 use crate::cpu::attn::Kv;
-use candle_core::{Layout, Result};
+use candle_core::{Layout, Result, Tensor};
 
 /// The pool blocks holding a sequence's tokens, in temporal order.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -47,6 +47,16 @@ impl BlockTable {
     pub fn view<'a, E>(&self, data: &'a [E], pool: &Layout, offsets: &'a [usize]) -> Kv<'a, E> {
         let s = pool.stride();
         Kv { data: &data[pool.start_offset()..], head_stride: s[1], token_stride: s[2], blocks: offsets, block_shift: self.shift() }
+    }
+
+    /// The table's rows of `pool` gathered into `[kv_heads, tokens, width]` (a copy: for the
+    /// per-row fallback over quantized rows, which dequantizes what it reads).
+    pub fn gather(&self, pool: &Tensor) -> Result<Tensor> {
+        let hkv = self.kv_heads(pool.layout())?;
+        let ids = Tensor::from_vec(self.blocks.iter().map(|&b| b as u32).collect::<Vec<_>>(), self.blocks.len(), pool.device())?;
+        let width = pool.dims()[3];
+        let rows = pool.index_select(&ids, 0)?.transpose(0, 1)?.contiguous()?;
+        rows.reshape((hkv, self.blocks.len() * self.block_tokens, width))?.narrow(1, 0, self.tokens)
     }
 
     /// This table limited to its first `tokens` tokens.

@@ -97,6 +97,12 @@ pub trait KvCache: Send {
         None
     }
 
+    /// Kv heads, head size and format of a cache of affine-quantized rows (`QuantCache`, the
+    /// layers `--kv-layout paged` replaces by blocks of quantized rows); None for other kinds.
+    fn quant_shape(&self) -> Option<(usize, usize, KvQuant)> {
+        None
+    }
+
     /// Kv heads, head size, dtype and window of a sliding-window float cache (the rings
     /// `--kv-layout paged` replaces by windowed block tables); None for other kinds.
     fn sliding_shape(&self) -> Option<(usize, usize, candle_core::DType, usize)> {

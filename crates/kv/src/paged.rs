@@ -7,6 +7,11 @@
 //! The pool tensor is `[blocks, kv_heads, B, head_dim]` and attention reads it through the table
 //! (`ferrolm_backend::paged::BlockTable`), never through a gathered copy.
 //!
+//! A quantized layer (`--kv-bits 8|4`, `BlockPool::quantized`) has a pool of U8 blocks
+//! `[blocks, kv_heads, B, row_bytes]`: each block holds `B` rows of the format's row layout
+//! (`ferrolm_backend::kv_quant`), quantized as they are written, and attention reads them through
+//! the table as it reads a contiguous `QuantCache`'s rows, with the same bits.
+//!
 //! Blocks are reference counted: a sequence's table holds one reference on each of its blocks,
 //! the prefix index (`paged_prefix`) one on each block it keeps. A block is written only by a
 //! sequence holding its sole reference: writing into a shared block first copies it
@@ -14,6 +19,7 @@
 
 use crate::{KvCache, KvView, PlainCache};
 use candle_core::{DType, Device, Result, Tensor};
+use ferrolm_backend::kv_quant::{self, KvQuant};
 use ferrolm_backend::paged::BlockTable;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -25,8 +31,13 @@ pub struct BlockPool {
     inner: Mutex<PoolInner>,
     block_tokens: usize,
     kv_heads: usize,
+    /// The head size of the keys and values written.
     head_dim: usize,
+    /// Elements of one stored row: `head_dim`, or the quantized row's bytes.
+    width: usize,
     dtype: DType,
+    /// Quantized rows of this format (dtype U8); None: float rows.
+    quant: Option<KvQuant>,
     device: Device,
 }
 
@@ -43,7 +54,23 @@ impl BlockPool {
     pub fn new(block_tokens: usize, kv_heads: usize, head_dim: usize, dtype: DType, device: &Device) -> Arc<Self> {
         assert!(block_tokens.is_power_of_two(), "block size {block_tokens} is not a power of two");
         let inner = Mutex::new(PoolInner { k: None, v: None, refs: Vec::new(), free: Vec::new() });
-        Arc::new(Self { inner, block_tokens, kv_heads, head_dim, dtype, device: device.clone() })
+        Arc::new(Self { inner, block_tokens, kv_heads, head_dim, width: head_dim, dtype, quant: None, device: device.clone() })
+    }
+
+    /// An empty pool of blocks of quantized rows of `quant` (affine rows; not TurboQuant, whose
+    /// cache widens its rows on fetch). Panics if `head_dim` is not whole groups.
+    pub fn quantized(block_tokens: usize, kv_heads: usize, head_dim: usize, quant: KvQuant, device: &Device) -> Arc<Self> {
+        assert!(block_tokens.is_power_of_two(), "block size {block_tokens} is not a power of two");
+        assert!(quant.turbo_values.is_none(), "TurboQuant rows are not paged");
+        quant.check_head_dim(head_dim).expect("KvScheme::check before building caches");
+        let inner = Mutex::new(PoolInner { k: None, v: None, refs: Vec::new(), free: Vec::new() });
+        let width = quant.row_bytes(head_dim);
+        Arc::new(Self { inner, block_tokens, kv_heads, head_dim, width, dtype: DType::U8, quant: Some(quant), device: device.clone() })
+    }
+
+    /// The quantized format of the rows; None for float rows.
+    pub fn quant(&self) -> Option<KvQuant> {
+        self.quant
     }
 
     pub fn block_tokens(&self) -> usize {
@@ -52,7 +79,7 @@ impl BlockPool {
 
     /// Bytes of one block (keys and values).
     pub fn block_bytes(&self) -> usize {
-        2 * self.block_tokens * self.kv_heads * self.head_dim * self.dtype.size_in_bytes()
+        2 * self.block_tokens * self.kv_heads * self.width * self.dtype.size_in_bytes()
     }
 
     fn lock(&self) -> MutexGuard<'_, PoolInner> {
@@ -98,7 +125,28 @@ impl BlockPool {
     }
 
     fn shape(&self, blocks: usize) -> (usize, usize, usize, usize) {
-        (blocks, self.kv_heads, self.block_tokens, self.head_dim)
+        (blocks, self.kv_heads, self.block_tokens, self.width)
+    }
+
+    /// Keys or values `[kv_heads, n, head_dim]` as the rows this pool stores, contiguous.
+    fn encode(&self, x: &Tensor) -> Result<Tensor> {
+        match self.quant {
+            Some(q) => kv_quant::quantize(q, x),
+            None => x.to_dtype(self.dtype)?.contiguous(),
+        }
+    }
+
+    /// Whether `state` holds rows this pool stores as they are: float rows of a float pool
+    /// (converted to its dtype), quantized rows of the same format for a quantized one.
+    fn check_state(&self, state: &KvView) -> Result<()> {
+        let fits = match self.quant {
+            None => state.quant.is_none() && state.k.dtype() != DType::U8,
+            Some(q) => state.k.dtype() == DType::U8 && state.quant.is_none_or(|s| s == q),
+        };
+        if !fits || state.k.dims().get(2) != Some(&self.width) {
+            candle_core::bail!("kv:paged: a state of other rows ({:?} {:?}, {:?}) for rows of {} × {:?}", state.k.dtype(), state.k.dims(), state.quant, self.width, self.quant)
+        }
+        Ok(())
     }
 
     /// The row of token `t` of `head` in `block`.
@@ -278,13 +326,13 @@ impl PagedCache {
         }
         let g = self.pool.lock();
         let bt = self.pool.block_tokens;
-        let (h, d, m) = (self.pool.kv_heads, self.pool.head_dim, n - from);
+        let (h, d, m) = (self.pool.kv_heads, self.pool.width, n - from);
         let block = |t: usize| self.block_at(t / bt).expect("held tokens");
         let ids: Vec<u32> = (0..h).flat_map(|head| (from..n).map(move |t| (head, t))).map(|(head, t)| self.pool.row(block(t), head, t % bt) as u32).collect();
         let ids = Tensor::from_vec(ids, h * m, &self.pool.device)?;
         let take = |t: &Tensor| -> Result<Tensor> { BlockPool::rows(t)?.index_select(&ids, 0)?.reshape((h, m, d)) };
         let (k, v) = (take(g.k.as_ref().expect("allocated"))?, take(g.v.as_ref().expect("allocated"))?);
-        Ok(Some(KvView { k, v, key_start: from, quant: None, table: None }))
+        Ok(Some(KvView { k, v, key_start: from, quant: self.pool.quant, table: None }))
     }
 
     /// Whether the tokens held cover what a cache of the first `n` tokens needs: all of them,
@@ -293,7 +341,7 @@ impl PagedCache {
         n <= self.offset && (self.start == 0 || self.window.is_some_and(|w| n + 1 >= self.start + w))
     }
 
-    /// Appends `k`, `v` (`[kv_heads, n, head_dim]`, the pool's dtype, contiguous) after `offset`.
+    /// Appends `k`, `v` (`[kv_heads, n, width]`, stored rows, contiguous) after `offset`.
     fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
         let pool = self.pool.clone();
         let n = k.dims()[1];
@@ -331,8 +379,7 @@ impl KvCache for PagedCache {
         if (h, d) != (pool.kv_heads, pool.head_dim) || v.dims3()? != (h, n, d) {
             candle_core::bail!("kv:paged: rows {:?} into a pool of {} heads × {}", k.dims(), pool.kv_heads, pool.head_dim)
         }
-        let head_rows = |t: &Tensor| -> Result<Tensor> { t.to_dtype(pool.dtype)?.contiguous() };
-        let (k, v) = (head_rows(k)?, head_rows(v)?);
+        let (k, v) = (pool.encode(k)?, pool.encode(v)?);
         // Released before writing: every query of this chunk still finds its window.
         self.release_out_of_window();
         self.append(&k, &v)?;
@@ -341,7 +388,7 @@ impl KvCache for PagedCache {
             (g.k.clone().expect("allocated"), g.v.clone().expect("allocated"))
         };
         let key_start = self.first * pool.block_tokens;
-        Ok(KvView { k: pk, v: pv, key_start, quant: None, table: Some(self.table()) })
+        Ok(KvView { k: pk, v: pv, key_start, quant: pool.quant, table: Some(self.table()) })
     }
 
     fn offset(&self) -> usize {
@@ -371,11 +418,13 @@ impl KvCache for PagedCache {
     }
 
     /// The same state as a contiguous cache's (`state` gathers it), so snapshots and disk files
-    /// are interchangeable between the layouts: `kv:plain`, or `kv:rotating` for a window.
+    /// are interchangeable between the layouts: `kv:plain`, `kv:rotating` for a window, the
+    /// format's (`kv:q8g32`, as `QuantCache`) for quantized rows.
     fn signature(&self) -> String {
-        match self.window {
-            Some(_) => "kv:rotating".into(),
-            None => PlainCache::SIGNATURE.into(),
+        match (self.window, self.pool.quant) {
+            (_, Some(q)) => format!("kv:{}", q.name()),
+            (Some(_), None) => "kv:rotating".into(),
+            (None, None) => PlainCache::SIGNATURE.into(),
         }
     }
 
@@ -399,6 +448,7 @@ impl KvCache for PagedCache {
     /// `state.k` holds the newest `n` tokens of a sequence of `offset` tokens; full attention
     /// also takes more (`n > offset`: the first `offset` are kept).
     fn load_state(&mut self, state: &KvView, offset: usize) -> Result<()> {
+        self.pool.check_state(state)?;
         self.release_from(0);
         let n = state.k.dims()[1];
         let bt = self.pool.block_tokens;
@@ -408,7 +458,7 @@ impl KvCache for PagedCache {
             None => 0,
         };
         (self.first, self.offset, self.start) = (start / bt, start / bt * bt, start / bt * bt);
-        let (h, d, dt) = (self.pool.kv_heads, self.pool.head_dim, self.pool.dtype);
+        let (h, d, dt) = (self.pool.kv_heads, self.pool.width, self.pool.dtype);
         let head_rows = |t: &Tensor| -> Result<Tensor> { t.to_dtype(dt)?.contiguous() };
         if start > self.offset {
             // The rows of the first block before the state's first token: zeros, never visible.
@@ -503,6 +553,54 @@ mod tests {
         assert_eq!(b_rows[5 * 8], -50.0);
         a.update_and_fetch(&rows(1, 7.0), &rows(1, 7.0)).unwrap();
         assert_eq!(gathered(&b), b_rows, "the sharer's rows are untouched by the holder's writes");
+    }
+
+    fn bytes(t: &Tensor) -> Vec<u8> {
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    /// Quantized rows in blocks: across appends, trims, reloads and a shared block written by
+    /// its sharer, the rows held (and the view's format) are a contiguous `QuantCache`'s, bit
+    /// for bit; bytes are the quantized rows'; states move between the layouts; float states
+    /// and states of another format are refused.
+    #[test]
+    fn quantized_blocks_hold_what_a_quant_cache_holds() {
+        let dev = Device::Cpu;
+        for q in [KvQuant::new(8, 32).unwrap(), KvQuant::new(4, 32).unwrap().with_rotation(false)] {
+            let pool = BlockPool::quantized(4, 2, 64, q, &dev);
+            let mut paged = PagedCache::new(pool.clone());
+            let mut contiguous = crate::QuantCache::new(2, 64, q, &dev);
+            for n in [3, 6, 1, 9] {
+                let (k, v) = (Tensor::randn(0f32, 1.0, (2, n, 64), &dev).unwrap(), Tensor::randn(0f32, 1.0, (2, n, 64), &dev).unwrap());
+                let view = paged.update_and_fetch(&k, &v).unwrap();
+                let want = contiguous.update_and_fetch(&k, &v).unwrap();
+                assert_eq!((view.quant, view.k.dims()[3]), (Some(q), want.k.dims()[2]));
+                let (a, b) = (paged.state().unwrap().unwrap(), contiguous.state().unwrap().unwrap());
+                assert_eq!((bytes(&a.k), bytes(&a.v), a.quant), (bytes(&b.k), bytes(&b.v), b.quant));
+            }
+            assert_eq!((paged.signature(), paged.bytes_per_token()), (contiguous.signature(), contiguous.bytes_per_token()));
+            assert_eq!(pool.block_bytes(), 4 * contiguous.bytes_per_token());
+            assert_eq!(paged.trim(8), 8);
+            contiguous.trim(8);
+            assert_eq!(bytes(&paged.state().unwrap().unwrap().k), bytes(&contiguous.state().unwrap().unwrap().k));
+            let mut sharer = PagedCache::sharing(pool.clone(), paged.blocks(), 10);
+            let before = bytes(&paged.state().unwrap().unwrap().k);
+            let x = Tensor::randn(0f32, 1.0, (2, 2, 64), &dev).unwrap();
+            sharer.update_and_fetch(&x, &x).unwrap();
+            assert_eq!(bytes(&paged.state().unwrap().unwrap().k), before, "a shared block is copied before it is written");
+            let mut loaded = PagedCache::new(pool.clone());
+            loaded.load_state(&contiguous.state().unwrap().unwrap(), 11).unwrap();
+            assert_eq!(bytes(&loaded.state().unwrap().unwrap().v), bytes(&contiguous.state().unwrap().unwrap().v));
+            let mut back = crate::QuantCache::new(2, 64, q, &dev);
+            back.load_state(&loaded.state().unwrap().unwrap(), 11).unwrap();
+            let mut float = PlainCache::new(2, 64, DType::F32, &dev);
+            float.update_and_fetch(&x, &x).unwrap();
+            assert!(loaded.load_state(&float.state().unwrap().unwrap(), 2).is_err(), "float rows are not quantized rows");
+            let other = BlockPool::quantized(4, 2, 64, q.with_rotation(!q.rotate), &dev);
+            assert!(PagedCache::new(other).load_state(&paged.state().unwrap().unwrap(), 11).is_err(), "another format");
+            let f16_pool = BlockPool::new(4, 2, 64, DType::F16, &dev);
+            assert!(PagedCache::new(f16_pool).load_state(&paged.state().unwrap().unwrap(), 11).is_err(), "quantized rows into a float pool");
+        }
     }
 
     /// Token t's key is the constant t (one head, head_dim 2), so positions can be read back.

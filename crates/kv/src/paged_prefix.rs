@@ -30,7 +30,8 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 
 /// The block pools of one model's layers: `Some` for each layer `--kv-layout paged` pages (the
-/// float layers, full attention or sliding windows), `None` for the others (quantized rows).
+/// float layers, full attention or sliding windows, and the layers of affine-quantized rows),
+/// `None` for the others (TurboQuant, deferred quantization).
 #[derive(Clone)]
 pub struct PagedPools {
     pools: Vec<Option<Arc<BlockPool>>>,
@@ -40,13 +41,15 @@ pub struct PagedPools {
 }
 
 impl PagedPools {
-    /// Pools for the plain and sliding-window layers of `template` (a fresh cache of the model).
+    /// Pools for the plain, sliding-window and quantized layers of `template` (a fresh cache of
+    /// the model).
     pub fn for_model(template: &SeqCache, block_tokens: usize) -> Self {
         let (mut pools, mut windows) = (Vec::new(), Vec::new());
         for i in 0..template.num_layers() {
             let layer = template.layer_ref(i);
             let shape = layer.plain_shape().map(|(h, d, dt)| (h, d, dt, None)).or(layer.sliding_shape().map(|(h, d, dt, w)| (h, d, dt, Some(w))));
-            pools.push(shape.map(|(h, d, dt, _)| BlockPool::new(block_tokens, h, d, dt, layer.device())));
+            let quantized = layer.quant_shape().map(|(h, d, q)| BlockPool::quantized(block_tokens, h, d, q, layer.device()));
+            pools.push(shape.map(|(h, d, dt, _)| BlockPool::new(block_tokens, h, d, dt, layer.device())).or(quantized));
             windows.push(shape.and_then(|s| s.3));
         }
         Self { pools, windows, block_tokens }
@@ -61,7 +64,8 @@ impl PagedPools {
         !self.pools.is_empty() && self.pools.iter().all(Option::is_some)
     }
 
-    /// `template` (a fresh cache of the model) with its plain and sliding-window layers paged.
+    /// `template` (a fresh cache of the model) with its plain, sliding-window and quantized
+    /// layers paged.
     pub fn make(&self, template: SeqCache) -> SeqCache {
         let layers = template
             .into_layers()

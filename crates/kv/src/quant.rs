@@ -77,7 +77,7 @@ impl QuantCache {
     /// Panics if `head_dim` is not whole groups (`KvScheme::check` first).
     pub fn new(kv_heads: usize, head_dim: usize, quant: KvQuant, device: &Device) -> Self {
         quant.check_head_dim(head_dim).expect("KvScheme::check before building caches");
-        RowCache::with_codec(AffineRows(quant), kv_heads, quant.row_bytes(head_dim), device)
+        RowCache::with_codec(AffineRows(quant), kv_heads, head_dim, quant.row_bytes(head_dim), device)
     }
 }
 
@@ -96,6 +96,10 @@ impl RowCodec for AffineRows {
 
     fn fetch(&self, rows: KvView) -> Result<KvView> {
         Ok(KvView { quant: Some(self.0), ..rows })
+    }
+
+    fn pageable(&self) -> Option<KvQuant> {
+        Some(self.0)
     }
 }
 

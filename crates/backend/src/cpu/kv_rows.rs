@@ -7,12 +7,11 @@ use super::attn::{Kv, Widen};
 use crate::kv_quant::KvQuant;
 
 /// A `[H, S, row_bytes]` view of quantized rows (strides in bytes, rows contiguous) of head
-/// size `d`.
+/// size `d`: the bytes addressed as float rows are (`rows`, through a paged cache's block
+/// table or one block), so contiguous and paged quantized caches read through the same code.
 #[derive(Clone, Copy)]
 pub struct QKv<'a> {
-    pub data: &'a [u8],
-    pub head_stride: usize,
-    pub token_stride: usize,
+    pub rows: Kv<'a, u8>,
     pub quant: KvQuant,
     pub d: usize,
 }
@@ -20,8 +19,7 @@ pub struct QKv<'a> {
 impl QKv<'_> {
     #[inline(always)]
     pub(crate) fn row(&self, head: usize, token: usize) -> &[u8] {
-        let o = head * self.head_stride + token * self.token_stride;
-        &self.data[o..o + self.quant.row_bytes(self.d)]
+        self.rows.row(head, token, self.quant.row_bytes(self.d))
     }
 }
 

@@ -18,6 +18,11 @@ pub trait RowCodec: Send {
     fn encode(&self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)>;
     /// What attention gets from a view of every stored row.
     fn fetch(&self, rows: KvView) -> Result<KvView>;
+    /// The format when attention reads the stored rows themselves and they can live in paged
+    /// blocks (`BlockPool::quantized`); None for formats widened on fetch.
+    fn pageable(&self) -> Option<KvQuant> {
+        None
+    }
 }
 
 /// A growing cache of quantized rows in the format of `C`.
@@ -26,11 +31,14 @@ pub struct RowCache<C> {
     codec: C,
     /// Bytes of one stored `k` (and one `v`) row: one head of one token.
     row_bytes: usize,
+    kv_heads: usize,
+    head_dim: usize,
 }
 
 impl<C: RowCodec> RowCache<C> {
-    pub(super) fn with_codec(codec: C, kv_heads: usize, row_bytes: usize, device: &Device) -> Self {
-        Self { rows: PlainCache::new(kv_heads, row_bytes, DType::U8, device), codec, row_bytes }
+    /// Rows of `row_bytes` for keys and values of head size `head_dim`.
+    pub(super) fn with_codec(codec: C, kv_heads: usize, head_dim: usize, row_bytes: usize, device: &Device) -> Self {
+        Self { rows: PlainCache::new(kv_heads, row_bytes, DType::U8, device), codec, row_bytes, kv_heads, head_dim }
     }
 
     fn tagged(&self, view: Option<KvView>) -> Option<KvView> {
@@ -95,5 +103,9 @@ impl<C: RowCodec> KvCache for RowCache<C> {
 
     fn state_prefix(&self, n: usize) -> Result<Option<KvView>> {
         Ok(self.tagged(self.rows.state_prefix(n)?))
+    }
+
+    fn quant_shape(&self) -> Option<(usize, usize, KvQuant)> {
+        self.codec.pageable().map(|q| (self.kv_heads, self.head_dim, q))
     }
 }

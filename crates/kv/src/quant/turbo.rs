@@ -30,7 +30,7 @@ impl TurboCache {
         quant.check_head_dim(head_dim).expect("KvScheme::check before building caches");
         let rows = TurboRows { quant, kv_heads, head_dim };
         let half = rows.rows_half();
-        RowCache::with_codec(rows, kv_heads, half, device)
+        RowCache::with_codec(rows, kv_heads, head_dim, half, device)
     }
 }
 

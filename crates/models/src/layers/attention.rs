@@ -2,7 +2,7 @@ use super::{BatchRows, FusedLinear};
 use crate::lora::{self, Target};
 use crate::RowKind;
 use candle_core::{Result, Tensor};
-use ferrolm_backend::attention::{attend_decode_batch, attend_decode_batch_paged, attend_paged, attend_prompt_quant, DecodeQuery, Positions};
+use ferrolm_backend::attention::{attend_decode_batch, attend_decode_batch_paged, attend_paged_quant, attend_prompt_quant, DecodeQuery, Positions};
 use ferrolm_backend::paged::BlockTable;
 use ferrolm_backend::attention_device::{append_and_attend, append_and_attend_batch, has_kernels, StaticStep};
 use ferrolm_backend::norm::RmsNorm;
@@ -128,7 +128,7 @@ impl SelfAttention {
         }
         for (q, kv, pos) in &seqs[decode..] {
             outs.push(match &kv.table {
-                Some(table) => attend_paged(q, &kv.k, &kv.v, table, *pos, &self.cfg.params, true)?,
+                Some(table) => attend_paged_quant(q, &kv.k, &kv.v, kv.quant, table, *pos, &self.cfg.params, true)?,
                 None => attend_prompt_quant(q, &kv.k, &kv.v, kv.quant, *pos, &self.cfg.params)?,
             });
         }

@@ -547,15 +547,19 @@ mod speed {
         let xq = quantize_tokens::<V>(&x, t, cols);
         let mut y = vec![0f32; t * rows];
         // SAFETY: callers checked VNNI; sizes match.
-        unsafe {
-            let mut best = f64::MAX;
-            for _ in 0..20 {
-                let s = std::time::Instant::now();
-                gemm::<V>(&w, cols, &xq, t, 0..rows, y.as_mut_ptr(), rows);
-                best = best.min(s.elapsed().as_secs_f64());
-            }
-            eprintln!("{name} {rows}x{cols} t={t}: {:.1} GMAC/s", (rows * cols * t) as f64 / best / 1e9);
-        }
+        let best = best_of(20, &mut || unsafe { gemm::<V>(&w, cols, &xq, t, 0..rows, y.as_mut_ptr(), rows) });
+        eprintln!("{name} {rows}x{cols} t={t}: {:.1} GMAC/s", (rows * cols * t) as f64 / best / 1e9);
+    }
+
+    /// The fastest of `runs` timings of `f`, in seconds.
+    fn best_of(runs: usize, f: &mut dyn FnMut()) -> f64 {
+        (0..runs)
+            .map(|_| {
+                let t = std::time::Instant::now();
+                f();
+                t.elapsed().as_secs_f64()
+            })
+            .fold(f64::MAX, f64::min)
     }
 
     /// Decode's products, single thread, best of 30: one token at a time (`gemv`), m tokens
@@ -567,15 +571,7 @@ mod speed {
         let w = super::super::vnni::tests::quantize_rows::<V>(&wf, rows, cols);
         let pairs = cols.div_ceil(64);
         let mut sink = 0f32;
-        let best = |f: &mut dyn FnMut()| {
-            let mut b = f64::MAX;
-            for _ in 0..30 {
-                let t = std::time::Instant::now();
-                f();
-                b = b.min(t.elapsed().as_secs_f64());
-            }
-            b
-        };
+        let best = |f: &mut dyn FnMut()| best_of(30, f);
         for m in [1, 2, 4, 8, 16] {
             let x: Vec<f32> = (0..m * cols).map(|_| rnd()).collect();
             let mut xq = vec![QPair::ZERO; m * pairs];

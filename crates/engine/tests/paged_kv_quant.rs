@@ -3,7 +3,8 @@
 //! exact and default activations); requests sharing a running request's quantized prompt blocks
 //! each equal their solo run; a second turn served from the block index and from the disk tier
 //! equals the uncached run; the block index and the disk tier never hand f16 rows to a
-//! quantized cache or quantized rows to an f16 one; the pools count quantized bytes.
+//! quantized cache or quantized rows to an f16 one; the pools count quantized bytes. TurboQuant
+//! rows in blocks: logits bit-identical to its contiguous cache, a second turn shares them.
 
 mod common;
 
@@ -83,7 +84,10 @@ fn logits_of(model: &dyn CausalLm, mut caches: [SeqCache; 2], prompts: [&[u32]; 
 
 fn check_logits(file: &str, bits_of_kv: u8, block_sizes: &[usize]) {
     let Some(model) = quantized(file, bits_of_kv) else { return };
-    let model = model.as_ref();
+    check_logits_of(model.as_ref(), &format!("{file} q{bits_of_kv}"), block_sizes);
+}
+
+fn check_logits_of(model: &dyn CausalLm, name: &str, block_sizes: &[usize]) {
     let (a, b) = (longest_prompt(), other_prompt(1));
     for exact in [false, true] {
         ferrolm_backend::cpu::set_exact_activations(exact);
@@ -94,7 +98,7 @@ fn check_logits(file: &str, bits_of_kv: u8, block_sizes: &[usize]) {
             let caches = [pools.make(model.make_cache()), pools.make(model.make_cache())];
             assert!(caches[0].layer_ref(0).as_paged().is_some());
             let paged = logits_of(model, caches, [&a, &b]);
-            assert!(paged == contiguous, "{file} q{bits_of_kv}: paged (blocks of {block_tokens}) logits differ, exact {exact}");
+            assert!(paged == contiguous, "{name}: paged (blocks of {block_tokens}) logits differ, exact {exact}");
         }
     }
     ferrolm_backend::cpu::set_exact_activations(false);
@@ -113,6 +117,29 @@ fn paged_quantized_logits_are_bit_identical_to_contiguous() {
 fn qwen_paged_quantized_logits_are_bit_identical_to_contiguous() {
     let _one = MODE.lock().unwrap_or_else(|p| p.into_inner());
     check_logits(QWEN, 8, &[32]);
+}
+
+/// TurboQuant (keys 8-bit affine, values 3-bit Lloyd–Max) in blocks: each fetch widens the
+/// table's rows as the contiguous cache widens its own, so the logits are its bits; and a
+/// second turn shares the first one's TurboQuant blocks and continues as uncached.
+#[test]
+fn turbo_paged_logits_are_bit_identical_to_contiguous_and_shared() {
+    let _one = MODE.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(mut model) = open_model(SMOL) else { return };
+    model.set_kv_scheme(KvScheme::from_kv_quant("turbo").unwrap()).unwrap();
+    let model = model.as_ref();
+    check_logits_of(model, "SmolLM2 turbo-k8v3", &[32]);
+    let first = longest_prompt();
+    let second: Vec<u32> = first.iter().chain(&other_prompt(0)[1..]).copied().collect();
+    let mut batch = paged_batch(model, 1 << 30, 32);
+    let turn1 = Rc::new(RefCell::new(Out::default()));
+    batch.add(request(model, &first, 4, &turn1), model.make_cache());
+    run(&mut batch);
+    let turn2 = Rc::new(RefCell::new(Out::default()));
+    batch.add(request(model, &second, 6, &turn2), model.make_cache());
+    run(&mut batch);
+    assert_eq!(turn2.borrow().stats.as_ref().unwrap().cached_tokens, first.len() - 1, "the first prompt's TurboQuant blocks are shared");
+    assert!(turn2.borrow().trace == solo(model, &second, 6), "cached turn 2 differs from uncached");
 }
 
 /// Two requests arriving while a third decodes share its quantized prompt blocks by reference

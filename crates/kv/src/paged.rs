@@ -10,16 +10,19 @@
 //! A quantized layer (`--kv-bits 8|4`, `BlockPool::quantized`) has a pool of U8 blocks
 //! `[blocks, kv_heads, B, row_bytes]`: each block holds `B` rows of the format's row layout
 //! (`ferrolm_backend::kv_quant`), quantized as they are written, and attention reads them through
-//! the table as it reads a contiguous `QuantCache`'s rows, with the same bits.
+//! the table as it reads a contiguous `QuantCache`'s rows, with the same bits. TurboQuant
+//! (`--kv-quant turbo`) blocks hold its joined key + value rows (halves, as `TurboCache`); a
+//! fetch gathers the table's rows and widens them to f32, as `TurboCache` widens all of its own.
 //!
 //! Blocks are reference counted: a sequence's table holds one reference on each of its blocks,
 //! the prefix index (`paged_prefix`) one on each block it keeps. A block is written only by a
 //! sequence holding its sole reference: writing into a shared block first copies it
 //! (copy-on-write), so a shared block is never written.
 
+use crate::quant::{row_codec, RowCodec};
 use crate::{KvCache, KvView, PlainCache};
 use candle_core::{DType, Device, Result, Tensor};
-use ferrolm_backend::kv_quant::{self, KvQuant};
+use ferrolm_backend::kv_quant::KvQuant;
 use ferrolm_backend::paged::BlockTable;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -36,8 +39,9 @@ pub struct BlockPool {
     /// Elements of one stored row: `head_dim`, or the quantized row's bytes.
     width: usize,
     dtype: DType,
-    /// Quantized rows of this format (dtype U8); None: float rows.
+    /// Quantized rows of this format (dtype U8) and their codec; None: float rows.
     quant: Option<KvQuant>,
+    codec: Option<Box<dyn RowCodec + Sync>>,
     device: Device,
 }
 
@@ -54,18 +58,24 @@ impl BlockPool {
     pub fn new(block_tokens: usize, kv_heads: usize, head_dim: usize, dtype: DType, device: &Device) -> Arc<Self> {
         assert!(block_tokens.is_power_of_two(), "block size {block_tokens} is not a power of two");
         let inner = Mutex::new(PoolInner { k: None, v: None, refs: Vec::new(), free: Vec::new() });
-        Arc::new(Self { inner, block_tokens, kv_heads, head_dim, width: head_dim, dtype, quant: None, device: device.clone() })
+        Arc::new(Self { inner, block_tokens, kv_heads, head_dim, width: head_dim, dtype, quant: None, codec: None, device: device.clone() })
     }
 
-    /// An empty pool of blocks of quantized rows of `quant` (affine rows; not TurboQuant, whose
-    /// cache widens its rows on fetch). Panics if `head_dim` is not whole groups.
+    /// An empty pool of blocks of quantized rows of `quant` (affine rows, or TurboQuant's
+    /// joined rows). Panics if `head_dim` is not taken by the format (`KvScheme::check`).
     pub fn quantized(block_tokens: usize, kv_heads: usize, head_dim: usize, quant: KvQuant, device: &Device) -> Arc<Self> {
         assert!(block_tokens.is_power_of_two(), "block size {block_tokens} is not a power of two");
-        assert!(quant.turbo_values.is_none(), "TurboQuant rows are not paged");
         quant.check_head_dim(head_dim).expect("KvScheme::check before building caches");
         let inner = Mutex::new(PoolInner { k: None, v: None, refs: Vec::new(), free: Vec::new() });
-        let width = quant.row_bytes(head_dim);
-        Arc::new(Self { inner, block_tokens, kv_heads, head_dim, width, dtype: DType::U8, quant: Some(quant), device: device.clone() })
+        let (codec, width) = row_codec(quant, kv_heads, head_dim);
+        let (quant, codec) = (Some(quant), Some(codec));
+        Arc::new(Self { inner, block_tokens, kv_heads, head_dim, width, dtype: DType::U8, quant, codec, device: device.clone() })
+    }
+
+    /// The format views and states of the rows carry: Some where attention reads the stored
+    /// rows (affine), None for float rows and for rows widened on fetch (TurboQuant).
+    fn tag(&self) -> Option<KvQuant> {
+        self.codec.as_ref().and_then(|c| c.tag())
     }
 
     /// The quantized format of the rows; None for float rows.
@@ -128,20 +138,20 @@ impl BlockPool {
         (blocks, self.kv_heads, self.block_tokens, self.width)
     }
 
-    /// Keys or values `[kv_heads, n, head_dim]` as the rows this pool stores, contiguous.
-    fn encode(&self, x: &Tensor) -> Result<Tensor> {
-        match self.quant {
-            Some(q) => kv_quant::quantize(q, x),
-            None => x.to_dtype(self.dtype)?.contiguous(),
+    /// Keys and values `[kv_heads, n, head_dim]` as the rows this pool stores, contiguous.
+    fn encode(&self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        match &self.codec {
+            Some(codec) => codec.encode(k, v),
+            None => Ok((k.to_dtype(self.dtype)?.contiguous()?, v.to_dtype(self.dtype)?.contiguous()?)),
         }
     }
 
     /// Whether `state` holds rows this pool stores as they are: float rows of a float pool
     /// (converted to its dtype), quantized rows of the same format for a quantized one.
     fn check_state(&self, state: &KvView) -> Result<()> {
-        let fits = match self.quant {
+        let fits = match self.codec {
             None => state.quant.is_none() && state.k.dtype() != DType::U8,
-            Some(q) => state.k.dtype() == DType::U8 && state.quant.is_none_or(|s| s == q),
+            Some(_) => state.k.dtype() == DType::U8 && state.quant.is_none_or(|s| Some(s) == self.tag()),
         };
         if !fits || state.k.dims().get(2) != Some(&self.width) {
             candle_core::bail!("kv:paged: a state of other rows ({:?} {:?}, {:?}) for rows of {} × {:?}", state.k.dtype(), state.k.dims(), state.quant, self.width, self.quant)
@@ -332,7 +342,7 @@ impl PagedCache {
         let ids = Tensor::from_vec(ids, h * m, &self.pool.device)?;
         let take = |t: &Tensor| -> Result<Tensor> { BlockPool::rows(t)?.index_select(&ids, 0)?.reshape((h, m, d)) };
         let (k, v) = (take(g.k.as_ref().expect("allocated"))?, take(g.v.as_ref().expect("allocated"))?);
-        Ok(Some(KvView { k, v, key_start: from, quant: self.pool.quant, table: None }))
+        Ok(Some(KvView { k, v, key_start: from, quant: self.pool.tag(), table: None }))
     }
 
     /// Whether the tokens held cover what a cache of the first `n` tokens needs: all of them,
@@ -379,7 +389,7 @@ impl KvCache for PagedCache {
         if (h, d) != (pool.kv_heads, pool.head_dim) || v.dims3()? != (h, n, d) {
             candle_core::bail!("kv:paged: rows {:?} into a pool of {} heads × {}", k.dims(), pool.kv_heads, pool.head_dim)
         }
-        let (k, v) = (pool.encode(k)?, pool.encode(v)?);
+        let (k, v) = pool.encode(k, v)?;
         // Released before writing: every query of this chunk still finds its window.
         self.release_out_of_window();
         self.append(&k, &v)?;
@@ -388,7 +398,15 @@ impl KvCache for PagedCache {
             (g.k.clone().expect("allocated"), g.v.clone().expect("allocated"))
         };
         let key_start = self.first * pool.block_tokens;
-        Ok(KvView { k: pk, v: pv, key_start, quant: pool.quant, table: Some(self.table()) })
+        let (table, tag) = (self.table(), pool.tag());
+        match &pool.codec {
+            // Rows attention does not read (TurboQuant): the table's rows gathered and widened.
+            Some(codec) if tag.is_none() => {
+                let rows = KvView { k: table.gather(&pk)?, v: table.gather(&pv)?, key_start, quant: None, table: None };
+                codec.fetch(rows)
+            }
+            _ => Ok(KvView { k: pk, v: pv, key_start, quant: tag, table: Some(table) }),
+        }
     }
 
     fn offset(&self) -> usize {
@@ -600,6 +618,46 @@ mod tests {
             assert!(PagedCache::new(other).load_state(&paged.state().unwrap().unwrap(), 11).is_err(), "another format");
             let f16_pool = BlockPool::new(4, 2, 64, DType::F16, &dev);
             assert!(PagedCache::new(f16_pool).load_state(&paged.state().unwrap().unwrap(), 11).is_err(), "quantized rows into a float pool");
+        }
+    }
+
+    fn floats(t: &Tensor) -> Vec<u32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// TurboQuant rows in blocks: what attention gets (the rows widened) and the states (the
+    /// bare rows) are `TurboCache`'s, bit for bit, across appends, trims, a shared block written
+    /// by its sharer and reloads both ways.
+    #[test]
+    fn turbo_blocks_fetch_what_a_turbo_cache_fetches() {
+        let dev = Device::Cpu;
+        for q in [KvQuant::turbo(8, 3).unwrap(), KvQuant::turbo(4, 2).unwrap()] {
+            let pool = BlockPool::quantized(4, 2, 64, q, &dev);
+            let mut paged = PagedCache::new(pool.clone());
+            let mut contiguous = crate::quant::TurboCache::new(2, 64, q, &dev);
+            for n in [3, 6, 1, 9] {
+                let (k, v) = (Tensor::randn(0f32, 1.0, (2, n, 64), &dev).unwrap(), Tensor::randn(0f32, 1.0, (2, n, 64), &dev).unwrap());
+                let (got, want) = (paged.update_and_fetch(&k, &v).unwrap(), contiguous.update_and_fetch(&k, &v).unwrap());
+                assert_eq!((got.quant, got.table.is_none(), got.key_start), (None, true, 0));
+                assert_eq!((floats(&got.k), floats(&got.v)), (floats(&want.k), floats(&want.v)));
+            }
+            assert_eq!((paged.signature(), paged.bytes_per_token()), (contiguous.signature(), contiguous.bytes_per_token()));
+            assert_eq!(paged.trim(5), 5);
+            contiguous.trim(5);
+            let (a, b) = (paged.state().unwrap().unwrap(), contiguous.state().unwrap().unwrap());
+            assert_eq!((bytes(&a.k), bytes(&a.v), a.quant), (bytes(&b.k), bytes(&b.v), b.quant));
+            let mut sharer = PagedCache::sharing(pool.clone(), paged.blocks(), 13);
+            let x = Tensor::randn(0f32, 1.0, (2, 2, 64), &dev).unwrap();
+            sharer.update_and_fetch(&x, &x).unwrap();
+            assert_eq!(bytes(&paged.state().unwrap().unwrap().k), bytes(&a.k), "a shared block is copied before it is written");
+            let mut loaded = PagedCache::new(pool.clone());
+            loaded.load_state(&b, 14).unwrap();
+            let mut back = crate::quant::TurboCache::new(2, 64, q, &dev);
+            back.load_state(&loaded.state().unwrap().unwrap(), 14).unwrap();
+            let (got, want) = (loaded.update_and_fetch(&x, &x).unwrap(), contiguous.update_and_fetch(&x, &x).unwrap());
+            assert_eq!((floats(&got.k), floats(&got.v)), (floats(&want.k), floats(&want.v)));
+            let affine = BlockPool::quantized(4, 2, 64, KvQuant::new(8, 32).unwrap(), &dev);
+            assert!(PagedCache::new(affine).load_state(&b, 14).is_err(), "TurboQuant rows are not affine rows");
         }
     }
 

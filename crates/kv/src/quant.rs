@@ -10,8 +10,22 @@ use ferrolm_backend::kv_quant::{self, KvQuant};
 mod deferred;
 mod rows;
 mod turbo;
-use rows::{RowCache, RowCodec};
+pub(crate) use rows::RowCodec;
+use rows::RowCache;
 pub use turbo::TurboCache;
+
+/// The codec of `quant`'s rows for keys and values of `kv_heads` × `head_dim` (affine rows, or
+/// TurboQuant's joined halves) and the bytes of one stored `k` (and `v`) row; for paged blocks.
+pub(crate) fn row_codec(quant: KvQuant, kv_heads: usize, head_dim: usize) -> (Box<dyn RowCodec + Sync>, usize) {
+    match quant.turbo_values {
+        Some(_) => {
+            let rows = turbo::TurboRows::new(quant, kv_heads, head_dim);
+            let half = rows.rows_half();
+            (Box::new(rows), half)
+        }
+        None => (Box::new(AffineRows(quant)), quant.row_bytes(head_dim)),
+    }
+}
 
 /// How a model's full-attention layers cache keys and values. Sliding-window layers (Gemma 3's
 /// local layers, Mistral-style windows) stay float: their caches are small and bounded.

@@ -28,18 +28,22 @@ impl TurboCache {
     pub fn new(kv_heads: usize, head_dim: usize, quant: KvQuant, device: &Device) -> Self {
         assert!(quant.turbo_values.is_some(), "a TurboQuant format");
         quant.check_head_dim(head_dim).expect("KvScheme::check before building caches");
-        let rows = TurboRows { quant, kv_heads, head_dim };
+        let rows = TurboRows::new(quant, kv_heads, head_dim);
         let half = rows.rows_half();
         RowCache::with_codec(rows, kv_heads, head_dim, half, device)
     }
 }
 
 impl TurboRows {
+    pub(crate) fn new(quant: KvQuant, kv_heads: usize, head_dim: usize) -> Self {
+        Self { quant, kv_heads, head_dim }
+    }
+
     fn key_bytes(&self) -> usize {
         self.quant.row_bytes(self.head_dim)
     }
 
-    fn rows_half(&self) -> usize {
+    pub(crate) fn rows_half(&self) -> usize {
         (self.key_bytes() + self.quant.value_row_bytes(self.head_dim)) / 2
     }
 }
@@ -52,6 +56,12 @@ impl RowCodec for TurboRows {
     /// None: attention gets widened keys and values, and a state is the bare rows.
     fn tag(&self) -> Option<KvQuant> {
         None
+    }
+
+    /// Paged blocks hold the halves; a fetch gathers the table's rows and widens them, as the
+    /// contiguous cache widens all of its rows.
+    fn pageable(&self) -> Option<KvQuant> {
+        Some(self.quant)
     }
 
     /// `k`, `v` `[kv_heads, tokens, head_dim]` → the two halves of their joined rows.

@@ -84,14 +84,20 @@ impl Proposer for NgramProposer {
     fn propose(&mut self, history: &[TokenId], max: usize) -> Vec<TokenId> {
         // Lookup's drafts are what the gate weighs (their cost is the verified rows).
         let note = StepNote { tested: self.last_drafts > 0, drafts: self.last_drafts, ..Default::default() };
-        let lean = self.gate.as_mut().is_some_and(|g| g.next(history.len(), note) == DraftMode::Lean);
-        let drafts = if lean { Vec::new() } else { self.lookup(history, max) };
-        self.last_drafts = drafts.len();
-        drafts
+        self.propose_noted(history, max, note)
     }
 }
 
 impl NgramProposer {
+    /// Drafts under the gate, told what the previous step drafted by the caller (a draft model
+    /// beside lookup: its steps are not lookup's, nor plain ones).
+    pub(crate) fn propose_noted(&mut self, history: &[TokenId], max: usize, previous: StepNote) -> Vec<TokenId> {
+        let lean = self.gate.as_mut().is_some_and(|g| g.next(history.len(), previous) == DraftMode::Lean);
+        let drafts = if lean { Vec::new() } else { self.lookup(history, max) };
+        self.last_drafts = drafts.len();
+        drafts
+    }
+
     /// What followed the latest best earlier occurrence of the longest matching n-gram.
     fn lookup(&self, history: &[TokenId], max: usize) -> Vec<TokenId> {
         if max == 0 {

@@ -182,7 +182,8 @@ const DRAFT_CHUNK: usize = 512;
 pub struct DraftModelProposer<'a> {
     model: &'a dyn CausalLm,
     cache: DraftCache,
-    /// Prompt lookup tried first, and the gate that rests the model (None: the model alone).
+    /// Prompt lookup (gated itself) tried first, and the gate that rests the model (None: the
+    /// model alone).
     lookup: Option<(NgramProposer, DraftGate)>,
     /// What the previous step drafted (the model's part filled in by the draft step).
     last: StepNote,
@@ -191,9 +192,10 @@ pub struct DraftModelProposer<'a> {
 impl<'a> DraftModelProposer<'a> {
     /// Prompt lookup (n-grams of 4 down to 2 tokens: a longer match than plain lookup's
     /// default asks, since the model's guess is the alternative) where it matches, the model
-    /// where the gate finds that it pays: what `--draft-model` runs.
+    /// where the gate finds that it pays: what `--draft-model` runs. Lookup has its own gate
+    /// (open chat repeats short n-grams whose continuations are mostly rejected).
     pub fn new(model: &'a dyn CausalLm) -> Self {
-        let lookup = NgramProposer::ungated(&SpecConfig::default());
+        let lookup = NgramProposer::new(&SpecConfig::default());
         Self { lookup: Some((lookup, DraftGate::plain_first())), ..Self::model_only(model) }
     }
 
@@ -234,7 +236,8 @@ impl Proposer for DraftModelProposer<'_> {
         let model = Proposal::Model { max, min_p: self.lookup.is_some().then_some(DRAFT_MIN_P) };
         let Some((lookup, gate)) = self.lookup.as_mut() else { return model };
         let mode = gate.next(history.len(), note);
-        let found = lookup.propose(history, max);
+        // Lookup's gate weighs the steps lookup drafted; the model's are neither its nor plain.
+        let found = lookup.propose_noted(history, max, StepNote { tested: !note.tested && note.drafts > 0, ..note });
         if !found.is_empty() || mode == DraftMode::Lean || max == 0 || history.is_empty() {
             self.last = StepNote { tested: false, drafts: found.len(), ..Default::default() };
             return Proposal::Drafts(found);

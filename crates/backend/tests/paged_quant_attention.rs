@@ -107,3 +107,38 @@ fn pools_of_other_rows_are_refused() {
     assert!(attend_paged_quant(&q, &floats, &floats, Some(quant), &table, pos, &p, false).is_err());
     assert!(attend_paged_quant(&q, &pool, &pool, Some(quant), &table, pos, &p, false).is_ok());
 }
+
+/// Decode attention over 4,096 keys of SmolLM2's shape (9 query heads, 3 kv heads, head size
+/// 64) in q8g32 and q4g32 rows, contiguous and in blocks of 32 scattered over the pool: the best
+/// time per call of several interleaved rounds (docs/paged_kv.md; `#[ignore]`: a measurement,
+/// run with `--ignored --nocapture`).
+#[test]
+#[ignore = "a measurement"]
+fn quantized_decode_attention_time_by_layout() {
+    let dev = Device::Cpu;
+    let (hq, hkv, d, s, bt) = (9, 3, 64, 4096, 32);
+    let p = AttentionParams { scale: 0.125, window: None, softcap: None };
+    for quant in [KvQuant::new(8, 32).unwrap(), KvQuant::new(4, 32).unwrap()] {
+        let rows = |_| quantize(quant, &Tensor::randn(0f32, 1.0, (hkv, s, d), &dev).unwrap()).unwrap();
+        let (k, v) = (rows(0), rows(1));
+        let ((kp, table), (vp, _)) = (paged_copy(&k, bt, quant, d), paged_copy(&v, bt, quant, d));
+        let q = Tensor::randn(0f32, 1.0, (1, hq, d), &dev).unwrap();
+        let pos = Positions { query_start: s - 1, key_start: 0 };
+        let mut best = [f64::MAX; 2];
+        for _round in 0..5 {
+            let t = std::time::Instant::now();
+            for _ in 0..200 {
+                attend_quant(&q, &k, &v, Some(quant), pos, &p).unwrap();
+            }
+            best[0] = best[0].min(t.elapsed().as_secs_f64() / 200.0);
+            let t = std::time::Instant::now();
+            for _ in 0..200 {
+                attend_paged_quant(&q, &kp, &vp, Some(quant), &table, pos, &p, false).unwrap();
+            }
+            best[1] = best[1].min(t.elapsed().as_secs_f64() / 200.0);
+        }
+        for (layout, t) in ["contiguous", "paged32"].iter().zip(best) {
+            println!("{{\"figure\":\"attention\",\"kv\":\"{}\",\"keys\":{s},\"layout\":\"{layout}\",\"us_per_call\":{:.2}}}", quant.name(), t * 1e6);
+        }
+    }
+}

@@ -133,6 +133,7 @@ def main():
     ap.add_argument("--drafts", type=int, default=8, help="prompt lookup's drafts per step at most")
     ap.add_argument("--draft-tokens", type=int, default=8, help="the draft model's drafts per step at most")
     ap.add_argument("--only", help="comma-separated systems to run (the others are left out)")
+    ap.add_argument("--workloads", help="comma-separated workloads to run (default: all: " + ", ".join(WORKLOADS) + ")")
     ap.add_argument("--name", default="speculation", help="results file name (NAME.md, NAME.json)")
     ap.add_argument("--out", default=str(ROOT / "bench/results"))
     a = ap.parse_args()
@@ -144,6 +145,8 @@ def main():
         proc, url = start(cmd)
         try:
             for wl, (messages, max_tokens) in WORKLOADS.items():
+                if a.workloads and wl not in a.workloads.split(","):
+                    continue
                 decode(url, [{"role": "user", "content": "Hi"}], 4)  # warm-up
                 tps, text, usage = decode(url, messages, max_tokens)
                 rows.append({"system": name, "workload": wl, "decode_tps": tps, "text": text, "usage": usage})

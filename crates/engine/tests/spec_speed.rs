@@ -81,3 +81,51 @@ fn verify_forward_costs() {
         );
     }
 }
+
+/// The batched draft step against one sequence at a time: `FERROLM_SPEED_SEQS` sequences (4)
+/// of `FERROLM_SPEED_CONTEXT` cached tokens (600) each guess 4 tokens with the draft model
+/// (`FERROLM_SPEED_MODEL`, the 0.5B by default), all in one `draft_together` (one forward per
+/// guess over all of them) or one `draft_together` per sequence (what drafting did before);
+/// the same guesses either way, best of alternating rounds.
+#[test]
+#[ignore]
+fn batched_draft_step_costs() {
+    use ferrolm_engine::{draft_together, DraftCache, DraftJob};
+    let file = std::env::var("FERROLM_SPEED_MODEL").unwrap_or("qwen2.5-coder-0.5b-instruct-Q4_K_M.gguf".into());
+    let Some(model) = open_model(&file) else { return };
+    let model: &dyn CausalLm = model.as_ref();
+    let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let (context, seqs, guesses) = (env("FERROLM_SPEED_CONTEXT", 600), env("FERROLM_SPEED_SEQS", 4), 4);
+    let histories: Vec<Vec<u32>> =
+        (0..seqs as u32).map(|s| (0..context as u32).map(|i| 100 + (i * 7919 + s * 104729) % 20000).collect()).collect();
+    let mut caches: Vec<DraftCache> = histories.iter().map(|_| DraftCache::new(model)).collect();
+    // Each call realigns the caches to the history (the previous call's guesses trimmed) and
+    // guesses again: the same work every call, after the first catches the prompts up.
+    let mut draft = |together: bool| -> Vec<Vec<u32>> {
+        let mut outs = vec![Vec::new(); seqs];
+        let mut jobs: Vec<DraftJob> = caches
+            .iter_mut()
+            .zip(&histories)
+            .zip(outs.iter_mut())
+            .map(|((cache, history), drafts)| DraftJob { cache, history, max: guesses, min_p: None, drafts })
+            .collect();
+        match together {
+            true => draft_together(model, &mut jobs).unwrap(),
+            false => jobs.chunks_mut(1).for_each(|job| draft_together(model, job).unwrap()),
+        }
+        drop(jobs);
+        outs
+    };
+    assert_eq!(draft(true), draft(false), "the same guesses batched and alone");
+    let (mut batched, mut alone) = (f64::INFINITY, f64::INFINITY);
+    for _round in 0..5 {
+        batched = batched.min(best(2, || drop(draft(true))));
+        alone = alone.min(best(2, || drop(draft(false))));
+    }
+    eprintln!(
+        "{file}: {seqs} sequences x {guesses} guesses at {context} cached tokens: batched {:.1} ms, one sequence at a time {:.1} ms ({:.2}x)",
+        batched * 1e3,
+        alone * 1e3,
+        alone / batched
+    );
+}

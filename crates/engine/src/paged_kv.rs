@@ -19,9 +19,9 @@ use std::collections::HashSet;
 pub(crate) struct PagedKv {
     pools: PagedPools,
     /// Prefix sharing by blocks; None when the prompt cache is off, or when some layer is not
-    /// paged (TurboQuant rows, `--quantized-kv-start`: the copying prompt cache then serves, its
-    /// paged layers shared by reference all the same, `SeqCache::fork_prefix`). Layers of
-    /// `--kv-bits` rows are paged (blocks of quantized rows); the index's hash chain is salted
+    /// paged (`--quantized-kv-start`: the copying prompt cache then serves, its paged layers
+    /// shared by reference all the same, `SeqCache::fork_prefix`). Layers of `--kv-bits` and
+    /// TurboQuant rows are paged (blocks of quantized rows); the index's hash chain is salted
     /// with the cache's signature (`kv:q8g32`, …), so blocks of different kinds never mix. Sliding-window layers are paged: a
     /// prefix is shared where the index holds the blocks of their window (`BlockIndex`).
     index: Option<BlockIndex>,

@@ -157,9 +157,9 @@ pub struct Args {
     /// it); 0 turns the cache off [default: an eighth of the available memory, at most 2 GiB].
     #[arg(long, value_parser = parse_size)]
     prompt_cache_bytes: Option<usize>,
-    /// How full-attention layers hold keys and values: `contiguous` (a buffer per sequence) or
-    /// `paged` (blocks in per-layer pools; requests sharing a prompt prefix share its blocks by
-    /// reference; CPU only; docs/paged_kv.md).
+    /// How the layers hold keys and values: `contiguous` (a buffer or ring per sequence) or
+    /// `paged` (blocks in per-layer pools, also for sliding-window and quantized layers; requests
+    /// sharing a prompt prefix share its blocks by reference; CPU only; docs/paged_kv.md).
     #[arg(long, default_value = "contiguous", value_parser = ["contiguous", "paged"])]
     kv_layout: String,
     /// Tokens per block of `--kv-layout paged`: 16, 32 or 64.

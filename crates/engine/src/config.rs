@@ -96,7 +96,7 @@ pub fn default_kv_budget() -> usize {
     available.map_or(4 << 30, |b| b / 2)
 }
 
-/// How full-attention layers hold keys and values (`--kv-layout`).
+/// How the layers hold keys and values (`--kv-layout`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum KvLayout {
     /// One growing buffer per sequence and layer (`PlainCache`).

@@ -26,7 +26,7 @@ pub struct EngineConfig {
     pub graph: GraphSettings,
     /// The prompt cache's disk tier, if any.
     pub kv_disk: Option<DiskSettings>,
-    /// How full-attention layers hold keys and values (`--kv-layout`).
+    /// How the layers hold keys and values (`--kv-layout`).
     pub kv_layout: crate::config::KvLayout,
     /// Speculative decoding, if on: by prompt lookup, or with `draft` when given (a model of
     /// the target's vocabulary: `draft::check_compatible`).

@@ -1,6 +1,7 @@
 //! Shared helpers for the parity tests: fixture loading and model opening.
 #![allow(dead_code)]
 
+pub mod paged;
 pub mod record;
 
 use candle_core::{Device, Tensor};

@@ -533,7 +533,7 @@ fn listen(args: &Args, state: SharedState, start: Instant) -> CliResult<()> {
         .build()
         .map_err(CliError::runtime)?;
     runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        let listener = ferrolm_server::bind(&args.host, args.port)
             .await
             .map_err(|e| CliError::usage(format!("cannot listen on {}:{}: {e}", args.host, args.port)))?;
         let addr = listener.local_addr().map_err(CliError::runtime)?;

@@ -27,4 +27,4 @@ pub use config::ServerConfig;
 pub use routes::router;
 pub use state::{AppState, SharedState};
 
-pub use http::serve::serve;
+pub use http::serve::{bind, serve};

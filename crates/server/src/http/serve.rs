@@ -15,13 +15,38 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower::ServiceExt;
 
 /// File descriptors kept free beyond the connection slots (model files, the prompt cache's disk
 /// tier, logs).
 const FD_RESERVE: usize = 64;
+
+/// Connections the kernel may hold completed but not yet accepted. tokio's `bind` asks for 128,
+/// and a burst of clients (an agent fanning out, 1,000 connections in the fuzz suite) overflowed
+/// it while the one HTTP worker shared two cores with decode: each dropped SYN cost its client
+/// a 1 s retransmit (seen as a 1,016 ms /health in CI). The kernel caps it at `somaxconn`.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// Listens on `host:port` with [`LISTEN_BACKLOG`]: the first address it resolves to that binds.
+pub async fn bind(host: &str, port: u16) -> std::io::Result<TcpListener> {
+    let mut last = std::io::Error::new(std::io::ErrorKind::AddrNotAvailable, "the host resolves to no address");
+    for addr in tokio::net::lookup_host((host, port)).await? {
+        match listen_on(addr) {
+            Ok(listener) => return Ok(listener),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+fn listen_on(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
 
 /// Serves `state` on `listener` until `shutdown` resolves, then lets open connections finish.
 pub async fn serve(

@@ -5,6 +5,7 @@
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 use crate::cpu::attn::{self, Call, Kv};
 use crate::cpu::kv_rows::QKv;
+use crate::cpu::turbo_rows::TurboKv;
 use crate::kv_quant::{self, KvQuant};
 use crate::paged::BlockTable;
 use crate::cpu::math;
@@ -122,6 +123,12 @@ fn attend_as(q: &Tensor, k: &Tensor, v: &Tensor, quant: Option<KvQuant>, pos: Po
 /// `table`: k and v are paged pools `[blocks, Hkv, B, row_bytes]` read through it.
 #[allow(clippy::too_many_arguments)]
 fn attend_quantized(q: &Tensor, k: &Tensor, v: &Tensor, quant: KvQuant, table: Option<&BlockTable>, pos: Positions, p: &AttentionParams, prompt: bool) -> candle_core::Result<Tensor> {
+    if quant.turbo_values.is_some() {
+        if table.is_some() {
+            candle_core::bail!("attention: TurboQuant rows are read gathered, not through a block table")
+        }
+        return attend_turbo(q, k, v, quant, pos, p, prompt);
+    }
     let (t, hq, d) = q.dims3()?;
     let (hkv, row) = match table {
         Some(table) => (table.kv_heads(k.layout())?, k.dims()[3]),
@@ -150,6 +157,27 @@ fn attend_quantized(q: &Tensor, k: &Tensor, v: &Tensor, quant: KvQuant, table: O
         None => (k.clone(), v.clone(), pos),
     };
     let (k, v) = (kv_quant::dequantize(quant, &k, d)?, kv_quant::dequantize(quant, &v, d)?);
+    attend_as(q, &k.to_dtype(q.dtype())?, &v.to_dtype(q.dtype())?, None, pos, p, prompt)
+}
+
+/// Attention over TurboQuant rows (k and v a TurboQuant cache's halves `[Hkv, S, half]`, see
+/// `cpu::turbo_rows`): the decode and tiled kernels read them in place, values in the rotated
+/// domain, and each head's output is rotated back once; the per-row kernel (2 or 3 rows
+/// without AVX-512 decode) and other devices get the rows widened to f32 (`turbo::widen`).
+fn attend_turbo(q: &Tensor, k: &Tensor, v: &Tensor, quant: KvQuant, pos: Positions, p: &AttentionParams, prompt: bool) -> candle_core::Result<Tensor> {
+    let (t, hq, d) = q.dims3()?;
+    let (hkv, _, row) = k.dims3()?;
+    if hq % hkv != 0 {
+        candle_core::bail!("attention: {hq} query heads are not a multiple of {hkv} kv heads")
+    }
+    if quant.check_head_dim(d).is_err() || k.dtype() != DType::U8 || v.dtype() != DType::U8 || row != kv_quant::turbo::half_bytes(quant, d) || v.dims() != k.dims() {
+        candle_core::bail!("attention: {} keys are not {} rows of head size {d}", k.dtype().as_str(), quant.name())
+    }
+    let direct = prompt || (t == 1 && decode_kernel(d)) || t >= TILED_MIN_TOKENS;
+    if matches!(q.device(), Device::Cpu) && q.dtype() == DType::F32 && direct {
+        return q.contiguous()?.apply_op3_no_bwd(k, v, &AttendCpu { pos, params: *p, prompt, quant: Some(quant), table: None });
+    }
+    let (k, v) = kv_quant::turbo::widen(quant, k, v, d)?;
     attend_as(q, &k.to_dtype(q.dtype())?, &v.to_dtype(q.dtype())?, None, pos, p, prompt)
 }
 
@@ -257,6 +285,13 @@ fn decode_batch_cpu(queries: &[DecodeQuery<'_>], tables: &[Option<&BlockTable>],
             let out = decode_batch_typed::<QuantRows>(&queries, tables, p)?;
             unrotate_heads(out, qf, first.q.dims()[2]).map(Some)
         }
+        (DType::U8, Some(qf)) if qf.turbo_values.is_some() => {
+            let out = decode_batch_typed::<TurboRows>(queries, tables, p)?;
+            let (rows, width) = out.dims2()?;
+            let mut data = out.flatten_all()?.to_vec1::<f32>()?;
+            kv_quant::turbo::unrotate(&mut data, first.q.dims()[2]);
+            Tensor::from_vec(data, (rows, width), &Device::Cpu).map(Some)
+        }
         (DType::U8, Some(_)) => decode_batch_typed::<QuantRows>(queries, tables, p).map(Some),
         _ => Ok(None),
     }
@@ -268,6 +303,46 @@ trait RowsOf {
     type R<'a>: crate::cpu::decode_attn::Rows;
     /// `table` and `offsets` (its `BlockTable::offsets`) when the query's cache is paged.
     fn view<'a>(s: &'a CpuStorage, l: &Layout, quant: Option<KvQuant>, d: usize, paged: Option<(&BlockTable, &'a [usize])>) -> candle_core::Result<Self::R<'a>>;
+    /// The key rows and the value rows of a query's cache (k in `ks`, v in `vs`).
+    #[allow(clippy::too_many_arguments)]
+    fn pair<'a>(
+        (ks, kl): (&'a CpuStorage, &Layout),
+        (vs, vl): (&'a CpuStorage, &Layout),
+        quant: Option<KvQuant>,
+        d: usize,
+        kp: Option<(&BlockTable, &'a [usize])>,
+        vp: Option<(&BlockTable, &'a [usize])>,
+    ) -> candle_core::Result<(Self::R<'a>, Self::R<'a>)> {
+        Ok((Self::view(ks, kl, quant, d, kp)?, Self::view(vs, vl, quant, d, vp)?))
+    }
+}
+
+/// TurboQuant caches: each row's key and value live across both stored halves.
+#[cfg(target_arch = "x86_64")]
+struct TurboRows;
+
+#[cfg(target_arch = "x86_64")]
+impl RowsOf for TurboRows {
+    type R<'a> = TurboKv<'a>;
+    fn view<'a>(_: &'a CpuStorage, _: &Layout, _: Option<KvQuant>, _: usize, _: Option<(&BlockTable, &'a [usize])>) -> candle_core::Result<TurboKv<'a>> {
+        candle_core::bail!("attention: TurboQuant rows are read in pairs of halves")
+    }
+    fn pair<'a>(
+        (ks, kl): (&'a CpuStorage, &Layout),
+        (vs, vl): (&'a CpuStorage, &Layout),
+        quant: Option<KvQuant>,
+        d: usize,
+        kp: Option<(&BlockTable, &'a [usize])>,
+        vp: Option<(&BlockTable, &'a [usize])>,
+    ) -> candle_core::Result<(TurboKv<'a>, TurboKv<'a>)> {
+        let quant = quant.ok_or_else(|| candle_core::Error::Msg("attention: TurboQuant rows without a format".into()))?;
+        if kp.is_some() || vp.is_some() {
+            candle_core::bail!("attention: TurboQuant rows are read gathered, not through a block table")
+        }
+        let (first, second) = (kv_view(ks.as_slice::<u8>()?, kl)?, kv_view(vs.as_slice::<u8>()?, vl)?);
+        let keys = TurboKv::new(first, second, quant, d, false);
+        Ok((keys, keys.reading_values(true)))
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -317,7 +392,7 @@ fn decode_batch_typed<V: RowsOf>(queries: &[DecodeQuery<'_>], tables: &[Option<&
         };
         let q_all = &qc.as_slice::<f32>()?[ql.start_offset()..ql.start_offset() + t * hq * dim];
         let (kp, vp) = (table.map(|t| (t, &k_off[..])), table.map(|t| (t, &v_off[..])));
-        let (k, v) = (V::view(kc, kl, d.quant, dim, kp)?, V::view(vc, vl, d.quant, dim, vp)?);
+        let (k, v) = V::pair((kc, kl), (vc, vl), d.quant, dim, kp, vp)?;
         for (r, q) in q_all.chunks_exact(hq * dim).enumerate() {
             // Row r sees the keys a lone decode at its position would hold.
             let qpos = d.pos.query_start + r;
@@ -420,6 +495,12 @@ impl CustomOp3 for AttendCpu<'_> {
         let mut out = vec![0f32; t * hq * d];
         if let Some(quant) = self.quant {
             let (CpuStorage::U8(kd), CpuStorage::U8(vd)) = (ks, vs) else { candle_core::bail!("attention: expected quantized (u8) kv") };
+            if quant.turbo_values.is_some() {
+                let keys = TurboKv::new(self.view(kd, kl, &offsets)?, self.view(vd, vl, &offsets)?, quant, d, false);
+                self.quantized(q, (t, hq, hkv, s, d), keys, keys.reading_values(true), &mut out)?;
+                kv_quant::turbo::unrotate(&mut out, d);
+                return Ok((CpuStorage::F32(out), Shape::from((t, hq * d))));
+            }
             let (k, v) = (qkv_of(self.view(kd, kl, &offsets)?, kl, quant, d)?, qkv_of(self.view(vd, vl, &offsets)?, vl, quant, d)?);
             self.quantized(q, (t, hq, hkv, s, d), k, v, &mut out)?;
             return Ok((CpuStorage::F32(out), Shape::from((t, hq * d))));
@@ -493,7 +574,7 @@ impl AttendCpu<'_> {
 
     /// Quantized rows: one token on the decode kernel, else the tiled kernel (`attend_quantized`
     /// sends nothing else here).
-    fn quantized(&self, q: &[f32], (t, hq, hkv, s, d): (usize, usize, usize, usize, usize), k: QKv, v: QKv, out: &mut [f32]) -> candle_core::Result<()> {
+    fn quantized<R: QuantizedRows>(&self, q: &[f32], (t, hq, hkv, s, d): (usize, usize, usize, usize, usize), k: R, v: R, out: &mut [f32]) -> candle_core::Result<()> {
         let (pos, window, scale, softcap) = (self.pos, self.params.window, self.params.scale, self.params.softcap);
         if !self.prompt && t == 1 && decode_kernel(d) {
             let (lo, hi) = visible_keys(pos.query_start, s, pos, window);
@@ -509,6 +590,16 @@ impl AttendCpu<'_> {
         Ok(())
     }
 }
+
+/// Quantized rows both the decode kernel and the tiled kernel read (affine or TurboQuant).
+#[cfg(target_arch = "x86_64")]
+trait QuantizedRows: crate::cpu::kv_rows::WidenRows + crate::cpu::decode_attn::Rows {}
+#[cfg(target_arch = "x86_64")]
+impl<R: crate::cpu::kv_rows::WidenRows + crate::cpu::decode_attn::Rows> QuantizedRows for R {}
+#[cfg(not(target_arch = "x86_64"))]
+trait QuantizedRows: crate::cpu::kv_rows::WidenRows {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<R: crate::cpu::kv_rows::WidenRows> QuantizedRows for R {}
 
 /// Whether single-token attention with head size `d` runs on `cpu::decode_attn`.
 fn decode_kernel(d: usize) -> bool {

@@ -6,7 +6,9 @@
 
 use candle_core::{DType, Device, Tensor};
 use ferrolm_backend::attention::{attend_decode_batch, attend_generic, attend_prompt_quant, attend_quant, AttentionParams, DecodeQuery, Positions};
-use ferrolm_backend::kv_quant::{dequantize, quantize, KvQuant};
+use ferrolm_backend::kv_quant::{dequantize, quantize, turbo, KvQuant};
+
+mod common;
 
 fn formats() -> Vec<KvQuant> {
     let rotated = [(8, 32), (8, 64), (4, 32), (4, 64)].map(|(b, g)| KvQuant::new(b, g).unwrap());
@@ -116,10 +118,78 @@ fn mismatched_rows_are_errors() {
     assert!(attend_quant(&qt, &wrong, &wrong, Some(q), Positions { query_start: 4, key_start: 0 }, &p).is_err());
 }
 
+fn turbo_formats() -> Vec<KvQuant> {
+    [(8, 3), (4, 3), (8, 2), (4, 4)].iter().map(|&(k, v)| KvQuant::turbo(k, v).unwrap()).collect()
+}
+
+/// TurboQuant rows read in place (`cpu::turbo_rows`, float q·k): the decode kernel, the tiled
+/// prefill kernel and the per-row fallback give the f64 reference of the scheme within 2e-5
+/// (the same bound as the affine rows), and what the previous path gave (every row widened to
+/// f32, then the reference composition) within 2e-5 too: the same values, summed in the
+/// rotated domain and rotated back once instead of per row.
+#[test]
+fn turbo_kernels_read_rows_in_place() {
+    ferrolm_backend::cpu::set_exact_activations(true);
+    let dev = Device::Cpu;
+    // (d, t, hq, hkv, s, query_start, window, prompt)
+    let cases = [
+        (64, 1, 9, 3, 300, 299, None, false),
+        (128, 1, 8, 2, 700, 699, Some(500), false),
+        (64, 37, 6, 2, 37, 0, None, true),
+        (128, 13, 4, 1, 50, 37, Some(20), true),
+        (64, 1, 6, 2, 9, 8, None, true),
+        (64, 3, 4, 2, 40, 37, None, false),
+    ];
+    for quant in turbo_formats() {
+        for (d, t, hq, hkv, s, query_start, window, prompt) in cases {
+            let name = format!("{} d{d} t{t} s{s} prompt {prompt}", quant.name());
+            let q = Tensor::randn(0f32, 1.0, (t, hq, d), &dev).unwrap();
+            let (k, v) = common::turbo_kv(quant, hkv, s, d);
+            let p = AttentionParams { scale: 1.0 / (d as f32).sqrt(), window, softcap: None };
+            let pos = Positions { query_start, key_start: 0 };
+            let ours = if prompt { attend_prompt_quant(&q, &k, &v, Some(quant), pos, &p) } else { attend_quant(&q, &k, &v, Some(quant), pos, &p) }.unwrap();
+            let qv = q.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let reference = common::TurboRef::new(quant, &k, &v, d).attend_rows(&qv, hq, query_start, window, 1.0 / (d as f64).sqrt(), false);
+            let err = common::max_diff(&ours, &reference);
+            assert!(err < 2e-5, "{name}: {err} from the f64 reference");
+            let (kf, vf) = turbo::widen(quant, &k, &v, d).unwrap();
+            let before = attend_generic(&q, &kf, &vf, pos, &p).unwrap();
+            let moved = max_diff(&ours, &before);
+            assert!(moved < 2e-5, "{name}: {moved} from the widened rows");
+        }
+    }
+}
+
+/// TurboQuant decode rows of several sequences in one pass equal each alone, bit for bit.
+#[test]
+fn turbo_decode_batch_equals_each_alone() {
+    ferrolm_backend::cpu::set_exact_activations(true);
+    let dev = Device::Cpu;
+    let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let p = AttentionParams { scale: 0.125, window: None, softcap: None };
+    for quant in turbo_formats() {
+        let data: Vec<(Tensor, Tensor, Tensor, usize)> = [1, 70, 1000]
+            .iter()
+            .map(|&s| {
+                let (k, v) = common::turbo_kv(quant, 2, s, 64);
+                (Tensor::randn(0f32, 1.0, (1, 8, 64), &dev).unwrap(), k, v, s)
+            })
+            .collect();
+        let queries: Vec<DecodeQuery> =
+            data.iter().map(|(q, k, v, s)| DecodeQuery { q, k, v, quant: Some(quant), pos: Positions { query_start: s - 1, key_start: 0 } }).collect();
+        let batch = attend_decode_batch(&queries, &p).unwrap();
+        for (i, d) in queries.iter().enumerate() {
+            let alone = attend_quant(d.q, d.k, d.v, d.quant, d.pos, &p).unwrap();
+            assert_eq!(bits(&batch.narrow(0, i, 1).unwrap()), bits(&alone), "{} sequence {i}", quant.name());
+        }
+    }
+}
+
 /// Decode attention time per token over f16 and quantized caches at 512, 4k and 16k keys,
 /// Llama-3.1-8B's shape (32 query heads, 8 kv heads, head_dim 128) and Qwen2.5-0.5B's (14, 2,
 /// 64). Quantized kinds run twice: with the int8 query on VNNI (`decode_q8`, the default) and
-/// with exact activations (`f32 q·k`). Timing, not a check: `cargo test --release -p ferrolm-backend --test kv_quant_attention
+/// with exact activations (`f32 q·k`); TurboQuant k8v3 also as before its kernel (`widened`:
+/// the rows widened to f32, then the f32 kernel). Timing, not a check: `cargo test --release -p ferrolm-backend --test kv_quant_attention
 /// -- --ignored --nocapture decode_attention_speed`.
 #[test]
 #[ignore = "timing; run by hand (docs/kv_quant.md)"]
@@ -135,18 +205,28 @@ fn decode_attention_speed() {
             let reps = (50_000_000 / (s * hkv * d)).clamp(3, 500);
             let f16 = x.to_dtype(DType::F16).unwrap();
             let formats = [KvQuant::new(8, 32).unwrap(), KvQuant::new(8, 32).unwrap().with_rotation(false), KvQuant::new(4, 32).unwrap()];
-            let rows: Vec<Tensor> = formats.iter().map(|qf| quantize(*qf, &x).unwrap()).collect();
-            // (rows, format, exact activations)
-            let mut kinds: Vec<(&Tensor, Option<KvQuant>, bool)> = vec![(&f16, None, false)];
+            let rows: Vec<(Tensor, Tensor)> = formats.iter().map(|qf| (quantize(*qf, &x).unwrap(), quantize(*qf, &x).unwrap())).collect();
+            let turbo_format = KvQuant::turbo(8, 3).unwrap();
+            let turbo_rows = turbo::encode(turbo_format, &x, &x).unwrap();
+            // (k, v, format, exact activations, widened per step as before the TurboQuant kernel)
+            let mut kinds: Vec<(&Tensor, &Tensor, Option<KvQuant>, bool, bool)> = vec![(&f16, &f16, None, false, false)];
             for exact in [false, true] {
-                kinds.extend(rows.iter().zip(formats).map(|(r, f)| (r, Some(f), exact)));
+                kinds.extend(rows.iter().zip(formats).map(|((k, v), f)| (k, v, Some(f), exact, false)));
+                kinds.push((&turbo_rows.0, &turbo_rows.1, Some(turbo_format), exact, false));
             }
+            kinds.push((&turbo_rows.0, &turbo_rows.1, Some(turbo_format), false, true));
             // The busy machine: rounds alternate the kinds, and each kind's best round counts.
             let mut best = vec![f64::INFINITY; kinds.len()];
             for _ in 0..7 {
-                for (b, (k, quant, exact)) in best.iter_mut().zip(&kinds) {
+                for (b, (k, v, quant, exact, widen)) in best.iter_mut().zip(&kinds) {
                     ferrolm_backend::cpu::set_exact_activations(*exact);
-                    let run = || attend_quant(&q, k, k, *quant, pos, &p(d)).unwrap();
+                    let run = || match widen {
+                        true => {
+                            let (kf, vf) = turbo::widen(quant.unwrap(), k, v, d).unwrap();
+                            attend_quant(&q, &kf, &vf, None, pos, &p(d)).unwrap()
+                        }
+                        false => attend_quant(&q, k, v, *quant, pos, &p(d)).unwrap(),
+                    };
                     run();
                     let t = Instant::now();
                     for _ in 0..reps {
@@ -156,8 +236,8 @@ fn decode_attention_speed() {
                 }
             }
             let mut line = format!("{name} s={s:>5}: f16 {:>8.1} µs", best[0]);
-            for ((_, f, exact), us) in kinds.iter().zip(&best).skip(1) {
-                let how = if *exact { " f32 q·k" } else { "" };
+            for ((_, _, f, exact, widen), us) in kinds.iter().zip(&best).skip(1) {
+                let how = if *exact { " f32 q·k" } else if *widen { " widened" } else { "" };
                 line += &format!(" | {}{how} {us:>8.1} µs ({:.2}× f16)", f.unwrap().name(), us / best[0]);
             }
             println!("{line}");

@@ -9,6 +9,8 @@ use candle_core::{Device, Tensor};
 use ferrolm_backend::attention::{attend_decode_batch, attend_quant, AttentionParams, DecodeQuery, Positions};
 use ferrolm_backend::kv_quant::{hadamard_block, quantize, rotate_rows, KvQuant};
 
+mod common;
+
 fn int8_path() -> bool {
     ferrolm_backend::cpu::set_exact_activations(false);
     let on = ferrolm_backend::cpu::decode_q8::wanted();
@@ -153,6 +155,34 @@ fn int8_decode_batch_equals_each_alone() {
         for (i, d) in queries.iter().enumerate() {
             let alone = attend_quant(d.q, d.k, d.v, d.quant, d.pos, &p).unwrap();
             assert_eq!(bits(&batch.narrow(0, i, 1).unwrap()), bits(&alone), "{} sequence {i}", quant.name());
+        }
+    }
+}
+
+/// TurboQuant keys on the int8 path, read in place across the two stored halves (a key row
+/// starts in the first and ends in the second): the output equals the f64 reference of the
+/// scheme with the rounded query within 2e-5, and is measurably away from the unrounded one.
+#[test]
+fn int8_turbo_decode_matches_the_f64_reference() {
+    if !int8_path() {
+        return;
+    }
+    let dev = Device::Cpu;
+    for quant in [(8, 3), (4, 3), (8, 2), (4, 4)].map(|(k, v)| KvQuant::turbo(k, v).unwrap()) {
+        for (d, hq, hkv, s, window) in [(64, 14, 2, 300, None), (128, 8, 2, 700, Some(500)), (256, 3, 3, 90, None), (192, 2, 1, 64, None)] {
+            let q = Tensor::randn(0f32, 1.0, (1, hq, d), &dev).unwrap();
+            let (k, v) = common::turbo_kv(quant, hkv, s, d);
+            let p = AttentionParams { scale: 1.0 / (d as f32).sqrt(), window, softcap: None };
+            let pos = Positions { query_start: s - 1, key_start: 0 };
+            let ours = attend_quant(&q, &k, &v, Some(quant), pos, &p).unwrap();
+            let qv = q.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let reference = common::TurboRef::new(quant, &k, &v, d);
+            let scale = 1.0 / (d as f64).sqrt();
+            let err = common::max_diff(&ours, &reference.attend_rows(&qv, hq, s - 1, window, scale, true));
+            let off = common::max_diff(&ours, &reference.attend_rows(&qv, hq, s - 1, window, scale, false));
+            let name = format!("{} d{d} hq{hq} hkv{hkv} s{s}", quant.name());
+            assert!(err < 2e-5, "{name}: {err} from the reference of the int8 arithmetic");
+            assert!(off > 10.0 * err.max(1e-6), "{name}: {off} from the unrounded query (the int8 path did not run?)");
         }
     }
 }

@@ -13,16 +13,25 @@ use ferrolm_models::CausalLm;
 use std::cell::RefCell;
 use std::rc::Rc;
 
-fn quantized(file: &str, bits: u8) -> Option<Box<dyn CausalLm>> {
+fn quantized(file: &str, scheme: KvScheme) -> Option<Box<dyn CausalLm>> {
     let mut model = open_model(file)?;
-    model.set_kv_scheme(KvScheme::Quant(KvQuant::new(bits, 32).unwrap())).unwrap();
+    model.set_kv_scheme(scheme).unwrap();
     Some(model)
+}
+
+fn bits(b: u8) -> KvScheme {
+    KvScheme::Quant(KvQuant::new(b, 32).unwrap())
+}
+
+/// TurboQuant (mlx-bun's default, k8v3), its rows read in place by the attention kernels.
+fn turbo() -> KvScheme {
+    KvScheme::from_kv_quant("turbo").unwrap()
 }
 
 /// Prompts of the fixture (and halves of them), joining at different steps, chunked by a small
 /// budget beside running decodes: each equals its solo run.
-fn check_batched_equals_solo(file: &str, fixture: &str, bits: u8) {
-    let Some(model) = quantized(file, bits) else { return };
+fn check_batched_equals_solo(file: &str, fixture: &str, scheme: KvScheme) {
+    let Some(model) = quantized(file, scheme) else { return };
     let model = model.as_ref();
     let f = load_fixture(fixture);
     let prompts: Vec<Vec<u32>> = (0..5)
@@ -45,31 +54,45 @@ fn check_batched_equals_solo(file: &str, fixture: &str, bits: u8) {
     }
     for (i, (p, o)) in prompts.iter().zip(&outs).enumerate() {
         assert_eq!(o.borrow().trace.len(), 10 + i);
-        assert!(o.borrow().trace == solo(model, p, 10 + i), "{file} q{bits}: sequence {i} differs from its solo run");
+        assert!(o.borrow().trace == solo(model, p, 10 + i), "{file} {scheme:?}: sequence {i} differs from its solo run");
     }
 }
 
 #[test]
 fn batched_equals_solo_with_8_bit_kv() {
-    check_batched_equals_solo("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct.Q4_1.json", 8);
+    check_batched_equals_solo("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct.Q4_1.json", bits(8));
 }
 
 #[test]
 fn batched_equals_solo_with_4_bit_kv() {
-    check_batched_equals_solo("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct.Q4_1.json", 4);
+    check_batched_equals_solo("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct.Q4_1.json", bits(4));
+}
+
+#[test]
+fn batched_equals_solo_with_turbo_kv() {
+    check_batched_equals_solo("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct.Q4_1.json", turbo());
 }
 
 /// Gemma 3: global layers quantized, sliding-window layers float.
 #[test]
 fn gemma3_batched_equals_solo_with_8_bit_kv() {
-    check_batched_equals_solo("gemma-3-270m-Q4_K_M.gguf", "gemma-3-270m-Q4_K_M.json", 8);
+    check_batched_equals_solo("gemma-3-270m-Q4_K_M.gguf", "gemma-3-270m-Q4_K_M.json", bits(8));
 }
 
 /// A second turn reuses the first prompt's quantized rows from the prompt cache and equals the
 /// uncached run bit for bit.
 #[test]
 fn cached_equals_uncached_with_8_bit_kv() {
-    let Some(model) = quantized("SmolLM2-135M-Instruct.Q4_1.gguf", 8) else { return };
+    check_cached_equals_uncached(bits(8));
+}
+
+#[test]
+fn cached_equals_uncached_with_turbo_kv() {
+    check_cached_equals_uncached(turbo());
+}
+
+fn check_cached_equals_uncached(scheme: KvScheme) {
+    let Some(model) = quantized("SmolLM2-135M-Instruct.Q4_1.gguf", scheme) else { return };
     let model = model.as_ref();
     let f = load_fixture("SmolLM2-135M-Instruct.Q4_1.json");
     let first: Vec<u32> = f.prompts.iter().max_by_key(|p| p.prompt_ids.len()).unwrap().prompt_ids.clone();

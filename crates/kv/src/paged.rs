@@ -12,7 +12,7 @@
 //! (`ferrolm_backend::kv_quant`), quantized as they are written, and attention reads them through
 //! the table as it reads a contiguous `QuantCache`'s rows, with the same bits. TurboQuant
 //! (`--kv-quant turbo`) blocks hold its joined key + value rows (halves, as `TurboCache`); a
-//! fetch gathers the table's rows and widens them to f32, as `TurboCache` widens all of its own.
+//! fetch gathers the table's rows, which attention reads as it reads a `TurboCache`'s.
 //!
 //! Blocks are reference counted: a sequence's table holds one reference on each of its blocks,
 //! the prefix index (`paged_prefix`) one on each block it keeps. A block is written only by a
@@ -67,7 +67,7 @@ impl BlockPool {
         assert!(block_tokens.is_power_of_two(), "block size {block_tokens} is not a power of two");
         quant.check_head_dim(head_dim).expect("KvScheme::check before building caches");
         let inner = Mutex::new(PoolInner { k: None, v: None, refs: Vec::new(), free: Vec::new() });
-        let (codec, width) = row_codec(quant, kv_heads, head_dim);
+        let (codec, width) = row_codec(quant, head_dim);
         let (quant, codec) = (Some(quant), Some(codec));
         Arc::new(Self { inner, block_tokens, kv_heads, head_dim, width, dtype: DType::U8, quant, codec, device: device.clone() })
     }
@@ -400,7 +400,7 @@ impl KvCache for PagedCache {
         let key_start = self.first * pool.block_tokens;
         let (table, tag) = (self.table(), pool.tag());
         match &pool.codec {
-            // Rows attention does not read (TurboQuant): the table's rows gathered and widened.
+            // Rows attention does not read through a table (TurboQuant): the table's rows gathered.
             Some(codec) if tag.is_none() => {
                 let rows = KvView { k: table.gather(&pk)?, v: table.gather(&pv)?, key_start, quant: None, table: None };
                 codec.fetch(rows)
@@ -621,12 +621,8 @@ mod tests {
         }
     }
 
-    fn floats(t: &Tensor) -> Vec<u32> {
-        t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
-    }
-
-    /// TurboQuant rows in blocks: what attention gets (the rows widened) and the states (the
-    /// bare rows) are `TurboCache`'s, bit for bit, across appends, trims, a shared block written
+    /// TurboQuant rows in blocks: what attention gets (the table's rows gathered) and the states
+    /// (the bare rows) are `TurboCache`'s, bit for bit, across appends, trims, a shared block written
     /// by its sharer and reloads both ways.
     #[test]
     fn turbo_blocks_fetch_what_a_turbo_cache_fetches() {
@@ -638,8 +634,8 @@ mod tests {
             for n in [3, 6, 1, 9] {
                 let (k, v) = (Tensor::randn(0f32, 1.0, (2, n, 64), &dev).unwrap(), Tensor::randn(0f32, 1.0, (2, n, 64), &dev).unwrap());
                 let (got, want) = (paged.update_and_fetch(&k, &v).unwrap(), contiguous.update_and_fetch(&k, &v).unwrap());
-                assert_eq!((got.quant, got.table.is_none(), got.key_start), (None, true, 0));
-                assert_eq!((floats(&got.k), floats(&got.v)), (floats(&want.k), floats(&want.v)));
+                assert_eq!((got.quant, got.table.is_none(), got.key_start), (Some(q), true, 0));
+                assert_eq!((bytes(&got.k), bytes(&got.v)), (bytes(&want.k), bytes(&want.v)));
             }
             assert_eq!((paged.signature(), paged.bytes_per_token()), (contiguous.signature(), contiguous.bytes_per_token()));
             assert_eq!(paged.trim(5), 5);
@@ -655,7 +651,7 @@ mod tests {
             let mut back = crate::quant::TurboCache::new(2, 64, q, &dev);
             back.load_state(&loaded.state().unwrap().unwrap(), 14).unwrap();
             let (got, want) = (loaded.update_and_fetch(&x, &x).unwrap(), contiguous.update_and_fetch(&x, &x).unwrap());
-            assert_eq!((floats(&got.k), floats(&got.v)), (floats(&want.k), floats(&want.v)));
+            assert_eq!((bytes(&got.k), bytes(&got.v)), (bytes(&want.k), bytes(&want.v)));
             let affine = BlockPool::quantized(4, 2, 64, KvQuant::new(8, 32).unwrap(), &dev);
             assert!(PagedCache::new(affine).load_state(&b, 14).is_err(), "TurboQuant rows are not affine rows");
         }

@@ -14,12 +14,12 @@ pub(crate) use rows::RowCodec;
 use rows::RowCache;
 pub use turbo::TurboCache;
 
-/// The codec of `quant`'s rows for keys and values of `kv_heads` × `head_dim` (affine rows, or
+/// The codec of `quant`'s rows for keys and values of head size `head_dim` (affine rows, or
 /// TurboQuant's joined halves) and the bytes of one stored `k` (and `v`) row; for paged blocks.
-pub(crate) fn row_codec(quant: KvQuant, kv_heads: usize, head_dim: usize) -> (Box<dyn RowCodec + Sync>, usize) {
+pub(crate) fn row_codec(quant: KvQuant, head_dim: usize) -> (Box<dyn RowCodec + Sync>, usize) {
     match quant.turbo_values {
         Some(_) => {
-            let rows = turbo::TurboRows::new(quant, kv_heads, head_dim);
+            let rows = turbo::TurboRows::new(quant, head_dim);
             let half = rows.rows_half();
             (Box::new(rows), half)
         }

@@ -26,6 +26,7 @@ pub(crate) mod simd;
 #[cfg(target_arch = "x86_64")]
 mod q8_packed;
 pub mod threads;
+pub mod turbo_rows;
 #[cfg(target_arch = "x86_64")]
 mod vnni;
 #[cfg(target_arch = "x86_64")]

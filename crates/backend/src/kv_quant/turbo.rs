@@ -11,7 +11,7 @@
 //! The sign pattern is ours (a fixed hash of the index): vllm-metal draws it from MLX's random
 //! generator with key 42, which is not reproducible outside MLX; any fixed ±1 pattern serves.
 
-use super::rotate_rows;
+use super::{rotate_rows, KvQuant};
 use half::f16;
 
 /// Values per RMS group.
@@ -82,18 +82,88 @@ pub fn encode_row(bits: u8, x: &[f32], out: &mut [u8]) {
 /// The values of `row` into `out` (head size `out.len()`): centroid × the group's RMS, rotated
 /// back and sign-flipped back.
 pub fn decode_row(bits: u8, row: &[u8], out: &mut [f32]) {
+    decode_rotated(bits, row, out);
+    unrotate(out, out.len());
+}
+
+/// The values of `row` still in the rotated domain: centroid × the group's RMS (one product per
+/// value). Attention sums these weighted by the softmax and rotates the sum back once
+/// ([`unrotate`]), instead of rotating every row back.
+pub fn decode_rotated(bits: u8, row: &[u8], out: &mut [f32]) {
     let d = out.len();
     let book = codebook(bits);
     let code_bytes = d * bits as usize / 8;
     for (g, o) in out.chunks_exact_mut(GROUP).enumerate() {
-        let at = code_bytes + 2 * g;
-        let rms = f16::from_le_bytes([row[at], row[at + 1]]).to_f32();
+        let rms = group_rms(row, code_bytes, g);
         for (k, x) in o.iter_mut().enumerate() {
             *x = book[get_bits(&row[..code_bytes], bits, g * GROUP + k) as usize] * rms;
         }
     }
-    rotate_rows(out, d);
-    out.iter_mut().enumerate().for_each(|(i, v)| *v *= sign(i));
+}
+
+/// The RMS of group `g` of a value row whose codes take `code_bytes`.
+#[inline(always)]
+pub fn group_rms(row: &[u8], code_bytes: usize, g: usize) -> f32 {
+    let at = code_bytes + 2 * g;
+    f16::from_le_bytes([row[at], row[at + 1]]).to_f32()
+}
+
+/// Rows of `d` values (any number) from the rotated domain back: the Walsh–Hadamard transform
+/// (its own inverse), then the sign flip. Linear, so it may run on a weighted sum of rows.
+pub fn unrotate(x: &mut [f32], d: usize) {
+    rotate_rows(x, d);
+    for row in x.chunks_exact_mut(d) {
+        row.iter_mut().enumerate().for_each(|(i, v)| *v *= sign(i));
+    }
+}
+
+/// Bytes of one stored half: a TurboQuant cache keeps each (head, token)'s key row then value
+/// row as one joined row, cut into two equal halves held as its `k` and `v` rows.
+pub fn half_bytes(quant: KvQuant, d: usize) -> usize {
+    (quant.row_bytes(d) + quant.value_row_bytes(d)) / 2
+}
+
+/// Keys `k` and values `v` (`[.., d]`, any float dtype) as the two stored halves of their
+/// joined rows (U8 `[.., half_bytes]`): keys quantized as `quant.keys()`, values encoded.
+pub fn encode(quant: KvQuant, k: &candle_core::Tensor, v: &candle_core::Tensor) -> candle_core::Result<(candle_core::Tensor, candle_core::Tensor)> {
+    let mut shape = k.dims().to_vec();
+    let last = shape.len() - 1;
+    let d = shape[last];
+    let keys = super::quantize(quant.keys(), k)?.flatten_all()?.to_vec1::<u8>()?;
+    let values = v.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let (kb, vb, bits) = (quant.row_bytes(d), quant.value_row_bytes(d), quant.turbo_values.unwrap_or(3));
+    let mut joined = vec![0u8; keys.len() / kb * (kb + vb)];
+    for ((out, key), value) in joined.chunks_exact_mut(kb + vb).zip(keys.chunks_exact(kb)).zip(values.chunks_exact(d)) {
+        out[..kb].copy_from_slice(key);
+        encode_row(bits, value, &mut out[kb..]);
+    }
+    let half = (kb + vb) / 2;
+    shape[last] = kb + vb;
+    let joined = candle_core::Tensor::from_vec(joined, shape.as_slice(), k.device())?;
+    Ok((joined.narrow(last, 0, half)?.contiguous()?, joined.narrow(last, half, half)?.contiguous()?))
+}
+
+/// The halves `k`, `v` (U8 `[.., half_bytes]`) of `quant` widened to f32 keys and values
+/// `[.., d]` (keys dequantized, values decoded and rotated back): what attention read before it
+/// read the rows themselves, and what paths without a TurboQuant kernel still read.
+pub fn widen(quant: KvQuant, k: &candle_core::Tensor, v: &candle_core::Tensor, d: usize) -> candle_core::Result<(candle_core::Tensor, candle_core::Tensor)> {
+    let mut shape = k.dims().to_vec();
+    let last = shape.len() - 1;
+    let half = shape[last];
+    if half != half_bytes(quant, d) || v.dims() != k.dims() {
+        candle_core::bail!("TurboQuant rows of {half} bytes are not {} halves of head size {d}", quant.name())
+    }
+    let joined = candle_core::Tensor::cat(&[k, v], last)?.flatten_all()?.to_vec1::<u8>()?;
+    let (kb, bits, key_format) = (quant.row_bytes(d), quant.turbo_values.unwrap_or(3), quant.keys());
+    let rows = joined.len() / (2 * half);
+    let (mut keys, mut values) = (vec![0f32; rows * d], vec![0f32; rows * d]);
+    for ((row, key), value) in joined.chunks_exact(2 * half).zip(keys.chunks_exact_mut(d)).zip(values.chunks_exact_mut(d)) {
+        key_format.dequantize_row(&row[..kb], key);
+        decode_row(bits, &row[kb..], value);
+    }
+    shape[last] = d;
+    let dev = k.device();
+    Ok((candle_core::Tensor::from_vec(keys, shape.as_slice(), dev)?, candle_core::Tensor::from_vec(values, shape.as_slice(), dev)?))
 }
 
 /// The `bits`-wide code of value `i` in a little-endian bit stream.

@@ -35,8 +35,8 @@ pub struct TurboKv<'a> {
     key_bytes: usize,
     /// The value codebook, zero beyond its entries (a lookup table of 16 lanes).
     book: [f32; 16],
-    /// Bit offset of each of 16 consecutive values' codes.
-    shifts: [i64; 16],
+    /// Bit offset of each of 16 consecutive values' codes within its lane's word (`codes16`).
+    shifts: [i32; 16],
 }
 
 impl<'a> TurboKv<'a> {
@@ -46,7 +46,7 @@ impl<'a> TurboKv<'a> {
         assert!(d.is_multiple_of(64) && quant.row_bytes(d) <= MAX_KEY_BYTES, "TurboQuant rows of head size {d}");
         let mut book = [0f32; 16];
         book[..1 << bits].copy_from_slice(turbo::codebook(bits));
-        let shifts = std::array::from_fn(|i| (i * bits as usize) as i64);
+        let shifts = std::array::from_fn(|i| (i % 8 * bits as usize) as i32);
         Self {
             first,
             second,
@@ -110,22 +110,19 @@ mod x86 {
 
     impl TurboKv<'_> {
         /// 16 values' codes from `col` (a multiple of 16) of the value row at `row`, as i32
-        /// lanes: the 16·bits ≤ 64 bits read as one word, each lane shifting out its own.
+        /// lanes: lanes 0–7 broadcast the 32-bit word holding values col..col+8, lanes 8–15 the
+        /// one holding col+8..col+16 (`bits` bytes on), each lane shifting out its own code
+        /// (broadcast loads, one shift, one mask; no cross-lane work but the lookup after).
         #[inline(always)]
         unsafe fn codes16(&self, row: *const u8, col: usize) -> __m512i {
             let bits = self.value_bits() as usize;
-            // In the row: 8 bytes from here end at most 8 − 2·bits bytes past the codes, within
-            // the RMS values that follow (d/16 ≥ 4 bytes).
-            let word = _mm512_set1_epi64((row.add(col * bits / 8) as *const i64).read_unaligned());
-            let lo = _mm512_cvtepi64_epi32(_mm512_srlv_epi64(
-                word,
-                _mm512_loadu_si512(self.shifts.as_ptr() as *const __m512i),
-            ));
-            let hi = _mm512_cvtepi64_epi32(_mm512_srlv_epi64(
-                word,
-                _mm512_loadu_si512(self.shifts[8..].as_ptr() as *const __m512i),
-            ));
-            _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi32((1 << bits) - 1))
+            let at = row.add(col * bits / 8);
+            // In the row: the second word ends 4 − bits bytes past the codes, within the RMS
+            // values that follow (d/16 ≥ 4 bytes).
+            let words = _mm512_set1_epi32((at as *const i32).read_unaligned());
+            let words = _mm512_mask_set1_epi32(words, 0xff00, (at.add(bits) as *const i32).read_unaligned());
+            let shifted = _mm512_srlv_epi32(words, _mm512_loadu_si512(self.shifts.as_ptr() as *const __m512i));
+            _mm512_and_si512(shifted, _mm512_set1_epi32((1 << bits) - 1))
         }
 
         /// The codebook times the RMS of the group holding `col` (the value row at `row`).

@@ -233,7 +233,8 @@ impl<'a> Sequence<'a> {
         if let Some((span, policy)) = self.fill.as_mut().and_then(|f| f.propose(&self.tokens, limit, copy)) {
             (self.drafts, self.drafts_from) = (span, Some(policy));
         } else if let Some(p) = self.proposer.as_mut() {
-            match p.plan(&self.tokens, limit.min(self.gamma)) {
+            let gamma = if p.sizes_its_drafts() { self.max_gamma } else { self.gamma };
+            match p.plan(&self.tokens, limit.min(gamma)) {
                 Proposal::Drafts(drafts) => self.drafts = drafts,
                 Proposal::Model { max, min_p } => self.model_request = Some((max, min_p)),
             }

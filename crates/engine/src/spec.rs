@@ -28,6 +28,12 @@ pub trait Proposer {
     fn draft_cache(&mut self) -> Option<&mut DraftCache> {
         None
     }
+
+    /// Whether it chooses how many drafts to make itself: the step then offers it the full γ
+    /// (`--num-draft-tokens`) instead of a length adapted to the last step's acceptance.
+    fn sizes_its_drafts(&self) -> bool {
+        false
+    }
 }
 
 /// What a proposer answers for a step.
@@ -60,23 +66,49 @@ impl Default for SpecConfig {
 /// n tokens (n from `max_n` down to `min_n`) and proposes the tokens that followed it. Code
 /// edits and quoting repeat long stretches of the prompt, where this guesses well. A gate rests
 /// it on a sequence where its verified rows cost more than they save (`gate`).
+///
+/// Standalone (`--draft-kind ngram`, [`NgramProposer::sized`]) it also chooses how many tokens
+/// to draft from how strong the match is (`draft_len`): a match whose context agrees over many
+/// tokens is a copy in progress and drafts as many tokens as agreed, up to γ, so that a long
+/// copy is verified in few steps; a weak one drafts no more than it matched, nor more than the
+/// last steps' acceptance suggests (two more after a step that kept all its drafts, one more
+/// than were kept after one that did not).
 pub struct NgramProposer {
     min_n: usize,
     max_n: usize,
     gate: Option<DraftGate>,
     /// The drafts of the previous step (what the gate is told about it).
     last_drafts: usize,
+    /// Sizing by match strength (None: drafts up to the `max` it is given).
+    sizing: Option<Sizing>,
+}
+
+/// The state of [`NgramProposer`]'s draft sizing.
+#[derive(Clone, Copy, Debug)]
+struct Sizing {
+    /// Drafts for a weak match, adapted to acceptance.
+    gamma: usize,
+    /// The history's length when the previous drafts were proposed (what they became is the
+    /// growth since: the kept drafts and the step's own token).
+    last_len: usize,
 }
 
 impl NgramProposer {
-    /// Lookup with the gate (what `--draft-kind ngram` runs).
+    /// Lookup with the gate, up to the `max` drafts it is asked for (beside the draft model,
+    /// whose γ adapts to acceptance in the step).
     pub fn new(cfg: &SpecConfig) -> Self {
         Self { gate: Some(DraftGate::drafting_first()), ..Self::ungated(cfg) }
     }
 
+    /// Lookup with the gate that sizes its own drafts (what `--draft-kind ngram` runs).
+    pub fn sized(cfg: &SpecConfig) -> Self {
+        Self { sizing: Some(Sizing { gamma: usize::MAX, last_len: 0 }), ..Self::new(cfg) }
+    }
+
     /// Lookup on every step.
     pub fn ungated(cfg: &SpecConfig) -> Self {
-        Self { min_n: cfg.ngram_min.max(1), max_n: cfg.ngram_max.max(cfg.ngram_min.max(1)), gate: None, last_drafts: 0 }
+        let min_n = cfg.ngram_min.max(1);
+        Self { min_n, max_n: cfg.ngram_max.max(min_n), gate: None, last_drafts: 0, sizing: None }
     }
 }
 
@@ -86,16 +118,39 @@ impl Proposer for NgramProposer {
         let note = StepNote { tested: self.last_drafts > 0, drafts: self.last_drafts, ..Default::default() };
         self.propose_noted(history, max, note)
     }
+
+    fn sizes_its_drafts(&self) -> bool {
+        self.sizing.is_some()
+    }
 }
 
 impl NgramProposer {
     /// Drafts under the gate, told what the previous step drafted by the caller (a draft model
     /// beside lookup: its steps are not lookup's, nor plain ones).
     pub(crate) fn propose_noted(&mut self, history: &[TokenId], max: usize, previous: StepNote) -> Vec<TokenId> {
+        self.adapt(history.len());
         let lean = self.gate.as_mut().is_some_and(|g| g.next(history.len(), previous) == DraftMode::Lean);
         let drafts = if lean { Vec::new() } else { self.lookup(history, max) };
         self.last_drafts = drafts.len();
+        if let Some(s) = self.sizing.as_mut() {
+            s.last_len = history.len();
+        }
         drafts
+    }
+
+    /// Sizing: how many of the previous step's drafts were kept (the history grew by them and
+    /// the step's own token) sets the length drafted for a weak match.
+    fn adapt(&mut self, history_len: usize) {
+        let (Some(s), drafted) = (self.sizing.as_mut(), self.last_drafts) else { return };
+        if drafted == 0 {
+            return;
+        }
+        let kept = history_len.saturating_sub(s.last_len + 1);
+        // Unbounded here; `draft_len` caps it at the γ it is given.
+        s.gamma = match kept >= drafted {
+            true => s.gamma.saturating_add(2),
+            false => kept + 1,
+        };
     }
 
     /// What followed the latest best earlier occurrence of the longest matching n-gram.
@@ -104,20 +159,34 @@ impl NgramProposer {
             return Vec::new();
         }
         for n in (self.min_n..=self.max_n).rev() {
-            if let Some(start) = last_earlier_match(history, n) {
-                let end = (start + max).min(history.len());
+            if let Some((start, agreed)) = last_earlier_match(history, n) {
+                let len = self.draft_len(n + agreed, max);
+                let end = (start + len).min(history.len());
                 return history[start..end].to_vec();
             }
         }
         Vec::new()
     }
+
+    /// Drafts for a match of `strength` tokens (the n-gram and the context before it that
+    /// agrees), at most `max`: unsized, `max`; a copy in progress (`COPYING` tokens or more),
+    /// the strength or the adapted length, the larger; a weak match, the smaller.
+    fn draft_len(&self, strength: usize, max: usize) -> usize {
+        let Some(s) = self.sizing else { return max };
+        let adapted = s.gamma.min(max);
+        match strength >= COPYING {
+            true => adapted.max(strength).min(max),
+            false => adapted.min(strength),
+        }
+    }
 }
 
 /// The index right after the earlier occurrence of `history`'s last `n` tokens whose preceding
-/// tokens agree longest with those before the tail (up to `AGREE` more), the latest of those:
-/// text that repeats with variations (a file of similar functions, a list) has many copies of
-/// a short n-gram, and the copy with the longest shared context is the one being repeated.
-fn last_earlier_match(history: &[TokenId], n: usize) -> Option<usize> {
+/// tokens agree longest with those before the tail (up to `AGREE` more), the latest of those,
+/// and how many tokens agree: text that repeats with variations (a file of similar functions,
+/// a list) has many copies of a short n-gram, and the copy with the longest shared context is
+/// the one being repeated.
+fn last_earlier_match(history: &[TokenId], n: usize) -> Option<(usize, usize)> {
     if history.len() <= n {
         return None;
     }
@@ -136,8 +205,13 @@ fn last_earlier_match(history: &[TokenId], n: usize) -> Option<usize> {
             break;
         }
     }
-    best.map(|(_, end)| end)
+    best.map(|(agreed, end)| (end, agreed))
 }
+
+/// Match strength (n-gram and agreeing context, tokens) from which a sized lookup takes the
+/// text for a copy in progress: the code edit's matches are either 30 tokens or more (copying)
+/// or a few (a function's differing number, open text), and 8 separates them.
+const COPYING: usize = 8;
 
 /// Tokens of context beyond the n-gram compared when choosing among its earlier occurrences.
 const AGREE: usize = 32;
@@ -174,5 +248,48 @@ mod tests {
         // earlier one f3 — as the tail does — so what followed the earlier one is proposed.
         let h = [103, 40, 1, 2, 41, 30, 102, 40, 1, 2, 41, 20, 103, 40, 1, 2];
         assert_eq!(p.propose(&h, 2), vec![41, 30]);
+    }
+
+    /// Sized lookup without the gate (whose verdicts depend on time).
+    fn sized(max_n: usize) -> NgramProposer {
+        let cfg = SpecConfig { max_drafts: 32, ngram_min: 1, ngram_max: max_n };
+        NgramProposer { sizing: Some(Sizing { gamma: usize::MAX, last_len: 0 }), ..NgramProposer::ungated(&cfg) }
+    }
+
+    #[test]
+    fn sized_lookup_drafts_a_copy_in_progress_at_length_and_a_weak_match_briefly() {
+        // 40 distinct tokens, then their first 12 again: the match agrees over all 12, a copy.
+        let text: Vec<u32> = (100..140).collect();
+        let h: Vec<u32> = text.iter().chain(&text[..12]).copied().collect();
+        assert_eq!(sized(3).propose(&h, 32), h[12..44].to_vec());
+        assert_eq!(sized(3).propose(&h, 5), h[12..17].to_vec());
+        // "1 2" seen once, in no shared context: 2 tokens of strength, 2 drafts (unsized: 8).
+        let h = [1, 2, 3, 4, 5, 6, 7, 8, 9, 50, 1, 2];
+        assert_eq!(sized(3).propose(&h, 32), vec![3, 4]);
+        assert_eq!(NgramProposer::ungated(&SpecConfig { max_drafts: 32, ngram_min: 1, ngram_max: 3 }).propose(&h, 8).len(), 8);
+    }
+
+    #[test]
+    fn sized_lookup_drafts_fewer_after_a_rejection_and_more_after_full_acceptance() {
+        let mut p = sized(2);
+        let mut h = vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 50, 1, 2];
+        assert_eq!(p.propose(&h, 32), vec![3, 4]);
+        // The step kept none of them (its own token 77 only): a weak match now drafts one.
+        h.push(77);
+        assert_eq!(p.propose(&h, 32), Vec::<u32>::new());
+        h.extend([60, 1, 2]);
+        assert_eq!(p.propose(&h, 32), vec![77]);
+        // Kept (77, then the step's token 60): two more next time (3), within the match's
+        // strength ("77 60" and the "1 2" before it agree: 4).
+        h.extend([77, 60]);
+        assert_eq!(p.propose(&h, 32), vec![1, 2, 77]);
+        // A copy in progress is drafted at its strength (the n-gram and 8 agreeing tokens) though
+        // the last step kept nothing.
+        let text: Vec<u32> = (100..140).collect();
+        h.push(99);
+        assert_eq!(p.propose(&h, 32).len(), 0);
+        h.extend(&text);
+        h.extend(&text[..10]);
+        assert_eq!(p.propose(&h, 32), text[10..20].to_vec());
     }
 }

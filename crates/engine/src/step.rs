@@ -221,7 +221,7 @@ impl<'a> Batch<'a> {
         if let Some(spec) = &self.spec {
             let proposer: Box<dyn crate::spec::Proposer + 'a> = match self.draft {
                 Some(model) => Box::new(DraftModelProposer::new(model)),
-                None => Box::new(NgramProposer::new(spec)),
+                None => Box::new(NgramProposer::sized(spec)),
             };
             seq.set_proposer(proposer, spec.max_drafts);
         }

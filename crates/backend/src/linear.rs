@@ -1,3 +1,4 @@
+use crate::cpu::threads::filled_vec;
 use crate::cpu::{matmul::WeightBytes, CpuMatmul, Format};
 use crate::norm::RmsNorm;
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QMatMul, QTensor};
@@ -397,8 +398,8 @@ impl CustomOp1 for CpuLinearOp<'_> {
         }
         let t = layout.shape().elem_count() / k.max(1);
         let x = &data[layout.start_offset()..layout.start_offset() + t * k];
-        let mut y = vec![0f32; t * mm.rows()];
-        mm.forward_rows(x, t, self.decode_rows, &mut y);
+        // SAFETY: every product writes all of its output (stores, never accumulates).
+        let y = unsafe { filled_vec(t * mm.rows(), |y| mm.forward_rows_into(x, t, self.decode_rows, y)) };
         let mut out_dims = dims.to_vec();
         *out_dims.last_mut().unwrap() = mm.rows();
         Ok((CpuStorage::F32(y), Shape::from(out_dims)))

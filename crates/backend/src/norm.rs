@@ -1,4 +1,4 @@
-use crate::cpu::threads::{parallel_ranges, SharedOut};
+use crate::cpu::threads::{filled_vec, parallel_ranges, SharedOut};
 use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor};
 
 /// RMSNorm over the last dimension: x / sqrt(mean(x²) + eps) * weight.
@@ -40,7 +40,7 @@ impl RmsNorm {
                 return Ok(pair);
             }
         }
-        let sum = (x + r)?;
+        let sum = crate::ops::add(x, r)?;
         let normed = self.forward(&sum)?;
         Ok((sum, normed))
     }
@@ -73,16 +73,18 @@ impl CustomOp2 for CpuRmsNorm {
         }
         let n = xl.shape().elem_count();
         let (x, w) = (&x[xl.start_offset()..xl.start_offset() + n], &w[wl.start_offset()..wl.start_offset() + dim]);
-        let mut out = vec![0f32; n];
-        let shared = SharedOut::new(&mut out);
         let eps = self.0;
-        parallel_ranges(n / dim, 1, n >= 1 << 14, |rows| {
-            for r in rows {
-                // SAFETY: each thread writes only its own rows.
-                let y = unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(r * dim), dim) };
-                normalize_row(&x[r * dim..(r + 1) * dim], w, eps, y);
-            }
-        });
+        let fill = |shared: SharedOut| {
+            parallel_ranges(n / dim, 1, n >= 1 << 14, |rows| {
+                for r in rows {
+                    // SAFETY: each thread writes only its own rows.
+                    let y = unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(r * dim), dim) };
+                    normalize_row(&x[r * dim..(r + 1) * dim], w, eps, y);
+                }
+            })
+        };
+        // SAFETY: the rows cover all n values.
+        let out = unsafe { filled_vec(n, fill) };
         Ok((CpuStorage::F32(out), xl.shape().clone()))
     }
 }

@@ -7,7 +7,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor};
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
     let cpu_f32 = matches!(gate.device(), Device::Cpu) && gate.dtype() == DType::F32 && up.dtype() == DType::F32;
     if cpu_f32 && gate.shape() == up.shape() {
-        return gated_mul(gate, up, GatedMul { name: "silu-mul", act: math::silu });
+        return map2(gate, up, Map2 { name: "silu-mul", f: |g, u| math::silu(g) * u });
     }
     #[cfg(feature = "cuda")]
     if let Some(y) = crate::cuda::ops::silu_mul(gate, up)? {
@@ -20,9 +20,20 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
 pub fn gelu_tanh_mul(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
     let cpu_f32 = matches!(gate.device(), Device::Cpu) && gate.dtype() == DType::F32 && up.dtype() == DType::F32;
     if cpu_f32 && gate.shape() == up.shape() {
-        return gated_mul(gate, up, GatedMul { name: "gelu-tanh-mul", act: math::gelu_tanh });
+        return map2(gate, up, Map2 { name: "gelu-tanh-mul", f: |g, u| math::gelu_tanh(g) * u });
     }
     gate.gelu()? * up
+}
+
+/// a + b of equally shaped tensors (the residual sum). On the CPU in f32 over ferrolm's threads:
+/// candle's add of 64K elements or more (a prefill chunk's residual) runs on its own spinning
+/// thread pool, which then competes with ours for the cores.
+pub fn add(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    let cpu_f32 = matches!(a.device(), Device::Cpu) && a.dtype() == DType::F32 && b.dtype() == DType::F32;
+    if cpu_f32 && a.shape() == b.shape() {
+        return map2(a, b, Map2 { name: "add", f: |x, y| x + y });
+    }
+    a + b
 }
 
 /// `dst[0]` ← the index of the largest of `logits` (first on ties), in place: a greedy token
@@ -93,13 +104,13 @@ pub fn increment(p: &Tensor) -> candle_core::Result<()> {
     p.slice_set(&next, 0, 0)
 }
 
-/// `op` on gate and up as they are where both are rows with contiguous values (e.g. the two
+/// `op` on a and b as they are where both are rows with contiguous values (e.g. the two
 /// halves of a stacked gate|up product, read in place), else on contiguous copies.
-fn gated_mul<A: Fn(f32) -> f32 + Send + Sync + Copy>(gate: &Tensor, up: &Tensor, op: GatedMul<A>) -> candle_core::Result<Tensor> {
-    if rows(gate.layout()).is_some() && rows(up.layout()).is_some() {
-        return gate.apply_op2_no_bwd(up, &op);
+fn map2<F: Fn(f32, f32) -> f32 + Send + Sync + Copy>(a: &Tensor, b: &Tensor, op: Map2<F>) -> candle_core::Result<Tensor> {
+    if rows(a.layout()).is_some() && rows(b.layout()).is_some() {
+        return a.apply_op2_no_bwd(b, &op);
     }
-    gate.contiguous()?.apply_op2_no_bwd(&up.contiguous()?, &op)
+    a.contiguous()?.apply_op2_no_bwd(&b.contiguous()?, &op)
 }
 
 /// A layout as rows of contiguous values: (first offset, rows, row length, row stride), where
@@ -116,14 +127,15 @@ fn rows(l: &Layout) -> Option<(usize, usize, usize, usize)> {
     regular.then(|| (l.start_offset(), l.shape().elem_count() / cols.max(1), cols, row_stride))
 }
 
-/// act(gate) · up on f32 CPU tensors, one threaded pass (SwiGLU, GeGLU). `act` is a function
-/// item, so each activation gets its own inlined, vectorizable loop.
-struct GatedMul<A> {
+/// f(a, b) elementwise on f32 CPU tensors, one threaded pass (SwiGLU's act(gate) · up, GeGLU's,
+/// the residual sum). `f` is a closure without captures, so each op gets its own inlined,
+/// vectorizable loop.
+struct Map2<F> {
     name: &'static str,
-    act: A,
+    f: F,
 }
 
-impl<A: Fn(f32) -> f32 + Send + Sync + Copy> CustomOp2 for GatedMul<A> {
+impl<F: Fn(f32, f32) -> f32 + Send + Sync + Copy> CustomOp2 for Map2<F> {
     fn name(&self) -> &'static str {
         self.name
     }
@@ -131,19 +143,16 @@ impl<A: Fn(f32) -> f32 + Send + Sync + Copy> CustomOp2 for GatedMul<A> {
     fn cpu_fwd(&self, a: &CpuStorage, al: &Layout, b: &CpuStorage, bl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let (CpuStorage::F32(a), CpuStorage::F32(b)) = (a, b) else { candle_core::bail!("{}: expected f32", self.name) };
         let (Some(ra), Some(rb)) = (rows(al), rows(bl)) else { candle_core::bail!("{}: inputs are not rows", self.name) };
-        let act = self.act;
-        Ok((CpuStorage::F32(map2_rows(a, ra, b, rb, |g, u| act(g) * u)), al.shape().clone()))
+        Ok((CpuStorage::F32(map2_rows(a, ra, b, rb, self.f)), al.shape().clone()))
     }
 }
 
 /// `f(a[i], b[i])` for every element of two equally shaped row layouts (`rows`), into a
 /// contiguous result, split over the CPU threads when large.
 fn map2_rows(a: &[f32], (a0, n, cols, sa): (usize, usize, usize, usize), b: &[f32], (b0, _, _, sb): (usize, usize, usize, usize), f: impl Fn(f32, f32) -> f32 + Sync) -> Vec<f32> {
-    use crate::cpu::threads::{parallel_ranges, SharedOut};
-    let mut out = vec![0f32; n * cols];
-    let shared = SharedOut::new(&mut out);
+    use crate::cpu::threads::{filled_vec, parallel_ranges, SharedOut};
     // Flat ranges (rows × cols), so that a few long rows still split over the threads.
-    parallel_ranges(n * cols, 64, n * cols >= 1 << 14, |r| {
+    let fill = |shared: SharedOut| parallel_ranges(n * cols, 64, n * cols >= 1 << 14, |r| {
         let mut i = r.start;
         while i < r.end {
             let (row, col) = (i / cols, i % cols);
@@ -157,7 +166,8 @@ fn map2_rows(a: &[f32], (a0, n, cols, sa): (usize, usize, usize, usize), b: &[f3
             i += len;
         }
     });
-    out
+    // SAFETY: the ranges cover 0..n·cols.
+    unsafe { filled_vec(n * cols, fill) }
 }
 
 #[cfg(test)]

@@ -10,10 +10,13 @@ use ferrolm_backend::paged::BlockTable;
 /// Contiguous k `[hkv, s, d]` and the same rows in a pool `[blocks, hkv, bt, d]` whose other
 /// blocks hold noise, at the blocks listed by the returned table (in scrambled order).
 fn paged_copy(k: &Tensor, bt: usize) -> (Tensor, BlockTable) {
+    let used = k.dims3().unwrap().1.div_ceil(bt);
+    paged_copy_at(k, bt, (0..used).map(|i| 2 * (used - 1 - i) + 1).collect(), 2 * used + 3)
+}
+
+/// As [`paged_copy`], the rows in the pool's blocks `blocks` (of `pool_blocks`).
+fn paged_copy_at(k: &Tensor, bt: usize, blocks: Vec<usize>, pool_blocks: usize) -> (Tensor, BlockTable) {
     let (hkv, s, d) = k.dims3().unwrap();
-    let used = s.div_ceil(bt);
-    let pool_blocks = 2 * used + 3;
-    let blocks: Vec<usize> = (0..used).map(|i| 2 * (used - 1 - i) + 1).collect();
     let pool = Tensor::randn(0f32, 1.0, (pool_blocks, hkv, bt, d), &Device::Cpu).unwrap().to_dtype(k.dtype()).unwrap();
     for (i, &b) in blocks.iter().enumerate() {
         let n = (s - i * bt).min(bt);
@@ -121,6 +124,73 @@ fn decode_attention_time_by_block_size() {
         let names = ["contiguous", "paged16", "paged32", "paged64"];
         for (name, t) in names.iter().zip(&best) {
             println!("{{\"figure\":\"attention\",\"keys\":{s},\"layout\":\"{name}\",\"us_per_call\":{:.2}}}", t * 1e6);
+        }
+    }
+}
+
+/// This thread's CPU time in ns (`/proc/thread-self/schedstat`'s first field): unlike wall
+/// time it does not count the time other processes of a busy machine take the core.
+fn thread_cpu_ns() -> u64 {
+    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap();
+    stat.split_whitespace().next().unwrap().parse().unwrap()
+}
+
+/// One layout's caches of `layers` layers: per layer k, v and the table (None: contiguous).
+type Layers = Vec<(Tensor, Tensor, Option<BlockTable>)>;
+
+/// Decode attention's thread CPU time per call (µs) over 4,096 keys of SmolLM2's shape (9
+/// query heads, 3 kv heads, head size 64, f16), contiguous and paged with blocks of 16, 32 and
+/// 64 tokens in order or scattered over the pool: `warm` reads one layer's 3 MiB again and
+/// again (cached), `cold` cycles over 30 layers as a decode step does (94 MiB, from memory).
+/// Layouts alternate call batch by call batch; the figure is the median batch. Run with
+/// `FERROLM_THREADS=1 --ignored --nocapture` (`#[ignore]`: a measurement, docs/paged_kv.md).
+#[test]
+#[ignore = "a measurement"]
+fn decode_attention_cpu_time_warm_and_cold() {
+    let (hq, hkv, d, s) = (9, 3, 64, 4096);
+    let p = AttentionParams { scale: 0.125, window: None, softcap: None };
+    let q = Tensor::randn(0f32, 1.0, (1, hq, d), &Device::Cpu).unwrap();
+    let pos = Positions { query_start: s - 1, key_start: 0 };
+    for (name, layers) in [("warm", 1), ("cold", 30)] {
+        let contiguous: Layers = (0..layers).map(|_| (kv(hkv, s, d, DType::F16), kv(hkv, s, d, DType::F16), None)).collect();
+        // Blocks in order (one sequence's, as the pool hands out fresh blocks) or scattered
+        // backwards over a pool of twice the blocks (`paged_copy`, as after blocks were freed).
+        let paged = |bt: usize, in_order: bool| -> Layers {
+            let used = s / bt;
+            let copy = |x: &Tensor| match in_order {
+                true => paged_copy_at(x, bt, (0..used).collect(), used),
+                false => paged_copy(x, bt),
+            };
+            contiguous.iter().map(|(k, v, _)| {
+                let ((kp, table), (vp, _)) = (copy(k), copy(v));
+                (kp, vp, Some(table))
+            }).collect()
+        };
+        let mut layouts = vec![("contiguous".to_string(), contiguous.clone())];
+        for in_order in [true, false] {
+            for bt in [16, 32, 64] {
+                layouts.push((format!("{}{bt}", if in_order { "in_order" } else { "scattered" }), paged(bt, in_order)));
+            }
+        }
+        let mut times: Vec<Vec<f64>> = vec![Vec::new(); layouts.len()];
+        // Batches of ~0.1 s: the CPU time advances in scheduler ticks (4 ms).
+        let calls = 360;
+        for _batch in 0..15 {
+            for (i, (_, cache)) in layouts.iter().enumerate() {
+                let t = thread_cpu_ns();
+                for call in 0..calls {
+                    let (k, v, table) = &cache[call % layers];
+                    match table {
+                        Some(table) => attend_paged(&q, k, v, table, pos, &p, false).unwrap(),
+                        None => attend(&q, k, v, pos, &p).unwrap(),
+                    };
+                }
+                times[i].push((thread_cpu_ns() - t) as f64 / 1e3 / calls as f64);
+            }
+        }
+        for ((layout, _), t) in layouts.iter().zip(&mut times) {
+            t.sort_by(f64::total_cmp);
+            println!("{{\"figure\":\"attention_cpu\",\"keys\":{s},\"cache\":\"{name}\",\"layout\":\"{layout}\",\"median_us\":{:.1},\"min_us\":{:.1}}}", t[t.len() / 2], t[0]);
         }
     }
 }

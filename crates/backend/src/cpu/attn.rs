@@ -46,6 +46,23 @@ impl<'a, E> Kv<'a, E> {
         let o = self.blocks[token >> self.block_shift] + head * self.head_stride + within * self.token_stride;
         &self.data[o..o + d]
     }
+
+    /// Whether the rows sit in blocks of a paged cache's pool (not one contiguous block).
+    pub(crate) fn is_paged(&self) -> bool {
+        self.block_shift != usize::BITS - 1
+    }
+
+    /// The rows of `head` from `token` on that lie one after another (`token_stride` apart) in
+    /// its block, at most `max` of them: their elements (the first row's start to the last
+    /// row's end) and how many. The decode kernel walks a run without going back to the table
+    /// (a contiguous view is one run).
+    #[inline(always)]
+    pub(crate) fn run(&self, head: usize, token: usize, d: usize, max: usize) -> (&[E], usize) {
+        let within = token & ((1usize << self.block_shift) - 1);
+        let n = ((1usize << self.block_shift) - within).min(max);
+        let o = self.blocks[token >> self.block_shift] + head * self.head_stride + within * self.token_stride;
+        (&self.data[o..o + (n.max(1) - 1) * self.token_stride + d], n)
+    }
 }
 
 /// A cached element type, widened exactly to f32.

@@ -6,6 +6,10 @@
 //! a fifth of a decode step). The items' partial results (max, sum, weighted values) are merged
 //! at the end.
 //!
+//! A paged cache (`paged::BlockTable`) is read a block's run of rows at a time, and an item
+//! takes several kv heads there, walking each block's heads together (see [`split`]); the
+//! items' key ranges and every sum's order are the contiguous cache's, so the bits are too.
+//!
 //! Per value the arithmetic is the per-row kernel's in a different order: q·k as 16-lane FMA
 //! chains over d then summed, scaled (and soft-capped), `math::exp`, the weighted values as one
 //! FMA chain over the item's keys, combined over items with the usual rescaling. Cached rows
@@ -20,6 +24,7 @@ use super::math;
 use super::threads::{num_threads, parallel_ranges};
 use std::arch::x86_64::*;
 use std::cell::RefCell;
+use std::ops::Range;
 
 /// Query heads handled together in the value phase (4 heads × 4 vectors of 16 = 16 registers).
 const HEADS_PER_PASS: usize = 4;
@@ -27,6 +32,9 @@ const HEADS_PER_PASS: usize = 4;
 const COLS: usize = 64;
 /// An item takes at least this many keys (below, splitting costs more than it saves).
 const MIN_KEYS_PER_ITEM: usize = 64;
+/// Query heads of an item of several kv heads at most (their queries' `prepare_query` kept on
+/// the stack).
+const MAX_ITEM_QHEADS: usize = 16;
 
 /// A cached element type: f32, or f16 widened exactly on load.
 pub trait Elem: Copy + Sync {
@@ -57,6 +65,30 @@ pub trait Rows: Copy + Sync {
     /// Where one (head, token) row starts.
     type Row: Copy;
     fn row_at(&self, head: usize, token: usize, d: usize) -> Self::Row;
+    /// Row (`head`, `token`) and how many rows from it on (at most `max`) lie one after another
+    /// in its block, [`Rows::next_row`] apart: the kernel walks such a run without going back
+    /// to a paged cache's block table (a contiguous cache is one run). By default a run is
+    /// one row.
+    #[inline(always)]
+    fn run_at(&self, head: usize, token: usize, d: usize, max: usize) -> (Self::Row, usize) {
+        (self.row_at(head, token, d), max.min(1))
+    }
+    /// The row after `row` in its run (not to be read past the run's end).
+    #[inline(always)]
+    fn next_row(&self, row: Self::Row) -> Self::Row {
+        row
+    }
+    /// Whether a block holds every kv head's rows in one piece of memory (a paged cache's
+    /// pool), so the kernel reads a block's heads together (see [`split`]).
+    fn heads_interleaved(&self) -> bool {
+        false
+    }
+    /// Asks for the cache lines of the first `lines` lines of the run of `run` rows at `row`
+    /// (a hint; by default nothing).
+    #[inline(always)]
+    fn prefetch_run(&self, row: Self::Row, run: usize, lines: usize) {
+        let _ = (row, run, lines);
+    }
     /// Values `col..col+16` of `row` as f32 (`col` a multiple of 16).
     ///
     /// # Safety
@@ -129,6 +161,22 @@ impl<E: Elem> Rows for Kv<'_, E> {
         self.row(head, token, d).as_ptr()
     }
     #[inline(always)]
+    fn run_at(&self, head: usize, token: usize, d: usize, max: usize) -> (*const E, usize) {
+        let (rows, n) = self.run(head, token, d, max);
+        (rows.as_ptr(), n)
+    }
+    #[inline(always)]
+    fn next_row(&self, row: *const E) -> *const E {
+        row.wrapping_add(self.token_stride)
+    }
+    fn heads_interleaved(&self) -> bool {
+        self.is_paged()
+    }
+    #[inline(always)]
+    fn prefetch_run(&self, row: *const E, run: usize, lines: usize) {
+        prefetch_lines(row as *const i8, (run * self.token_stride * std::mem::size_of::<E>()).div_ceil(64).min(lines))
+    }
+    #[inline(always)]
     unsafe fn load16(&self, row: *const E, col: usize) -> __m512 {
         E::load16(row.add(col))
     }
@@ -177,6 +225,22 @@ impl Rows for QKv<'_> {
     fn row_at(&self, head: usize, token: usize, _d: usize) -> *const u8 {
         self.row(head, token).as_ptr()
     }
+    #[inline(always)]
+    fn run_at(&self, head: usize, token: usize, _d: usize, max: usize) -> (*const u8, usize) {
+        let (rows, n) = self.rows.run(head, token, self.quant.row_bytes(self.d), max);
+        (rows.as_ptr(), n)
+    }
+    #[inline(always)]
+    fn next_row(&self, row: *const u8) -> *const u8 {
+        row.wrapping_add(self.rows.token_stride)
+    }
+    fn heads_interleaved(&self) -> bool {
+        self.rows.is_paged()
+    }
+    #[inline(always)]
+    fn prefetch_run(&self, row: *const u8, run: usize, lines: usize) {
+        prefetch_lines(row as *const i8, (run * self.rows.token_stride).div_ceil(64).min(lines))
+    }
     /// The 64 values with each group's scale and bias widened once (not per 16 values), read
     /// as one fused multiply-add `code·scale + bias` (a rounding fewer than `dequantize_row`'s
     /// product then sum; this runs once per key row for all query heads of its kv head).
@@ -211,6 +275,45 @@ impl Rows for QKv<'_> {
     }
 }
 
+/// Asks for `lines` cache lines from `p` on (a hint: never faults).
+#[inline(always)]
+fn prefetch_lines(p: *const i8, lines: usize) {
+    for l in 0..lines {
+        // SAFETY: a prefetch of any address is allowed (SSE, in every x86_64).
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * l)) };
+    }
+}
+
+/// Cache lines of a head's next run asked for as [`walk`] enters its run before: enough to
+/// start the hardware prefetcher on the next block wherever it lies (asking for the whole run
+/// measured slower, docs/paged_kv.md).
+const PF_LINES: usize = 4;
+
+/// Calls `f(h, j, row, run)` for the runs of rows (keys `lo + j..lo + j + run`, first row
+/// `row`) of kv heads `heads` over keys `lo..lo + n`: block by block, and in a block head by
+/// head, so a paged cache's block (every head's rows, one piece of memory) is read as one
+/// stream; a contiguous cache is one run per head, read head by head. Runs start at the same
+/// keys in every head (blocks hold the same tokens for all heads). Before a run, the first
+/// lines of the head's next run are asked for.
+#[inline(always)]
+fn walk<R: Rows>(rows: &R, heads: Range<usize>, (lo, n, d): (usize, usize, usize), mut f: impl FnMut(usize, usize, R::Row, usize)) {
+    assert!(!heads.is_empty());
+    let mut j = 0;
+    while j < n {
+        let mut run = 0;
+        for h in heads.clone() {
+            let (row, r) = rows.run_at(h, lo + j, d, n - j);
+            if j + r < n {
+                let (next, next_run) = rows.run_at(h, lo + j + r, d, n - j - r);
+                rows.prefetch_run(next, next_run, PF_LINES);
+            }
+            f(h, j, row, r);
+            run = r;
+        }
+        j += run;
+    }
+}
+
 /// One decode step's attention: q `[hq, d]`, keys `[lo, hi)` of k and v `[hkv, s, d]`.
 pub struct DecodeCall<'a, R> {
     pub q: &'a [f32],
@@ -236,9 +339,10 @@ fn partial_len(d: usize) -> usize {
 }
 
 thread_local! {
-    /// Per-thread scores of an item, `[G][keys]`.
+    /// Per-thread scores of an item, `[kv heads][G][keys]`.
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    /// The calling thread's item results, `[item][G][partial_len]`, reused across calls.
+    /// The calling thread's item results, per call `[part][kv head][G][partial_len]`, reused
+    /// across calls.
     static PARTIALS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -260,7 +364,7 @@ pub fn attend_many<R: Rows>(calls: &[&DecodeCall<R>], outs: &mut [&mut [f32]]) {
         assert!(supports(c.d) && c.hq % c.hkv == 0);
         first_item.push(items);
         first_partial.push(len);
-        items += c.hkv * sp.parts;
+        items += sp.items(c.hkv);
         len += sp.parts * c.hq * partial_len(c.d);
     }
     PARTIALS.with(|partials| {
@@ -274,24 +378,43 @@ pub fn attend_many<R: Rows>(calls: &[&DecodeCall<R>], outs: &mut [&mut [f32]]) {
     })
 }
 
-/// How a call's keys are cut into items (depends only on the call and the thread count).
+/// How a call's keys are cut into parts (depends only on the call and the thread count: every
+/// layout of the cache cuts alike, so gives the same bits) and its kv heads into items.
 struct Split {
     parts: usize,
     per_part: usize,
+    /// Kv heads per item.
+    heads: usize,
 }
 
-fn split<R>(c: &DecodeCall<R>) -> Split {
+impl Split {
+    fn items(&self, hkv: usize) -> usize {
+        self.parts * hkv.div_ceil(self.heads)
+    }
+}
+
+/// A contiguous cache's items take one kv head each. A paged pool's block holds every kv
+/// head's rows in one piece of memory, and walking one head's rows alone reads a run of it and
+/// jumps, which streams from memory at half the bandwidth of reading the block whole
+/// (docs/paged_kv.md): there an item takes as many kv heads as leave an item per thread, and
+/// reads each block's heads together.
+fn split<R: Rows>(c: &DecodeCall<R>) -> Split {
     let keys = c.hi.saturating_sub(c.lo);
     let wanted = (2 * num_threads()).div_ceil(c.hkv);
     let parts = wanted.min(keys / MIN_KEYS_PER_ITEM).max(1);
-    Split { parts, per_part: keys.div_ceil(parts) }
+    let group = c.hq / c.hkv;
+    let heads = match c.k.heads_interleaved() {
+        true => c.hkv.div_ceil(num_threads().div_ceil(parts)).min(MAX_ITEM_QHEADS / group).max(1),
+        false => 1,
+    };
+    Split { parts, per_part: keys.div_ceil(parts), heads }
 }
 
-/// Every (call, kv head, key range) item into `partials`, over the threads.
+/// Every (call, key range, kv heads) item into `partials`, over the threads.
 fn run_items<R: Rows>(calls: &[&DecodeCall<R>], splits: &[Split], first_item: &[usize], first_partial: &[usize], partials: &mut [f32]) {
-    let total: usize = calls.iter().zip(splits).map(|(c, s)| c.hkv * s.parts).sum();
+    let total: usize = calls.iter().zip(splits).map(|(c, s)| s.items(c.hkv)).sum();
     let work: usize = calls.iter().map(|c| c.hi.saturating_sub(c.lo) * c.hq * c.d).sum();
-    let scratch = calls.iter().zip(splits).map(|(c, s)| c.hq / c.hkv * s.per_part).max().unwrap_or(0);
+    let scratch = calls.iter().zip(splits).map(|(c, s)| s.heads * c.hq / c.hkv * s.per_part).max().unwrap_or(0);
     let shared = super::threads::SharedOut::new(partials);
     parallel_ranges(total, 1, work > 1 << 14, |items| {
         SCORES.with(|sc| {
@@ -301,21 +424,24 @@ fn run_items<R: Rows>(calls: &[&DecodeCall<R>], splits: &[Split], first_item: &[
                 let i = first_item.partition_point(|&f| f <= item) - 1;
                 let (c, sp) = (calls[i], &splits[i]);
                 let local = item - first_item[i];
-                let (h, p) = (local / sp.parts, local % sp.parts);
+                let chunks = c.hkv.div_ceil(sp.heads);
+                let (p, first_head) = (local / chunks, local % chunks * sp.heads);
+                let heads = first_head..(first_head + sp.heads).min(c.hkv);
                 let lo = c.lo + p * sp.per_part;
                 let hi = (lo + sp.per_part).min(c.hi);
                 let (group, stride) = (c.hq / c.hkv, partial_len(c.d));
-                // SAFETY: each item writes only its own `group * stride` values of `partials`.
-                let dst = unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(first_partial[i] + local * group * stride), group * stride) };
+                let (at, len) = ((p * c.hkv + first_head) * group * stride, heads.len() * group * stride);
+                // SAFETY: each item writes only its own heads' values of its part of `partials`.
+                let dst = unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(first_partial[i] + at), len) };
                 if lo >= hi {
-                    for g in 0..group {
-                        dst[g * stride] = f32::NEG_INFINITY;
-                        dst[g * stride + 1] = 0.0;
+                    for head in dst.chunks_exact_mut(stride) {
+                        head[0] = f32::NEG_INFINITY;
+                        head[1] = 0.0;
                     }
                     continue;
                 }
                 // SAFETY: `supports` checked AVX-512F; the rows indexed exist in k and v.
-                unsafe { item_avx512(c, h, lo, hi, &mut sc, dst) };
+                unsafe { item_avx512(c, heads, lo, hi, &mut sc, dst) };
             }
         })
     });
@@ -326,7 +452,7 @@ fn merge<R>(c: &DecodeCall<R>, parts: usize, partials: &[f32], out: &mut [f32]) 
     let (d, group, stride) = (c.d, c.hq / c.hkv, partial_len(c.d));
     for qh in 0..c.hq {
         let (h, g) = (qh / group, qh % group);
-        let at = |p: usize| ((h * parts + p) * group + g) * stride;
+        let at = |p: usize| ((p * c.hkv + h) * group + g) * stride;
         let m = (0..parts).map(|p| partials[at(p)]).fold(f32::NEG_INFINITY, f32::max);
         let o = &mut out[qh * d..(qh + 1) * d];
         o.fill(0.0);
@@ -347,26 +473,22 @@ fn merge<R>(c: &DecodeCall<R>, parts: usize, partials: &[f32], out: &mut [f32]) 
     }
 }
 
-/// kv head `h` over keys `[lo, hi)`: for each of its G query heads, writes max, sum and the
-/// (unnormalized) weighted values to `dst[g * (2 + d)..]`.
+/// kv heads `heads` over keys `[lo, hi)`: for each of their G query heads, writes max, sum and
+/// the (unnormalized) weighted values to `dst[((h - heads.start) * G + g) * (2 + d)..]`.
 ///
 /// # Safety
-/// AVX-512F is available; keys `[lo, hi)` of head `h` exist in `c.k` and `c.v`.
+/// AVX-512F is available; keys `[lo, hi)` of `heads` exist in `c.k` and `c.v`.
 #[target_feature(enable = "avx512f,fma,f16c")]
-unsafe fn item_avx512<R: Rows>(c: &DecodeCall<R>, h: usize, lo: usize, hi: usize, scores: &mut [f32], dst: &mut [f32]) {
+unsafe fn item_avx512<R: Rows>(c: &DecodeCall<R>, heads: Range<usize>, lo: usize, hi: usize, scores: &mut [f32], dst: &mut [f32]) {
     let (d, group, n) = (c.d, c.hq / c.hkv, hi - lo);
     let stride = partial_len(d);
-    let q = &c.q[h * group * d..(h + 1) * group * d];
-    // Scores, each head's maximum.
-    let dotted = c.k.dots_all_heads(q, h, lo, n, &mut scores[..group * n]);
-    for g in 0..group {
-        let qg = q[g * d..].as_ptr();
-        let row = &mut scores[g * n..(g + 1) * n];
+    let scores = &mut scores[..heads.len() * group * n];
+    key_scores(c, heads.clone(), (lo, n), scores);
+    // Each query head's scores: scaled, maximum, exponentials, sum.
+    for (i, row) in scores.chunks_exact_mut(n).enumerate() {
         let mut max = f32::NEG_INFINITY;
-        let prep = if dotted { [0.0; MAX_GROUPS] } else { c.k.prepare_query(&q[g * d..(g + 1) * d]) };
-        for (j, s) in row.iter_mut().enumerate() {
-            let dot = if dotted { *s } else { c.k.dot(c.k.row_at(h, lo + j, d), qg, d, &prep) };
-            let mut x = dot * c.scale;
+        for s in row.iter_mut() {
+            let mut x = *s * c.scale;
             if let Some(cap) = c.softcap {
                 x = (x / cap).tanh() * cap;
             }
@@ -377,20 +499,66 @@ unsafe fn item_avx512<R: Rows>(c: &DecodeCall<R>, h: usize, lo: usize, hi: usize
         for s in row.iter_mut() {
             *s = math::exp(*s - max);
         }
-        dst[g * stride] = max;
-        dst[g * stride + 1] = sum_lanes(row);
+        dst[i * stride] = max;
+        dst[i * stride + 1] = sum_lanes(row);
     }
     // Weighted values, HEADS_PER_PASS heads × COLS columns at a time.
     for g0 in (0..group).step_by(HEADS_PER_PASS) {
         for col in (0..d).step_by(COLS) {
+            let heads = heads.clone();
             match (group - g0).min(HEADS_PER_PASS) {
-                1 => values::<R, 1>(c, h, lo, n, g0, col, scores, dst),
-                2 => values::<R, 2>(c, h, lo, n, g0, col, scores, dst),
-                3 => values::<R, 3>(c, h, lo, n, g0, col, scores, dst),
-                _ => values::<R, 4>(c, h, lo, n, g0, col, scores, dst),
+                1 => values::<R, 1>(c, heads, (lo, n), g0, col, scores, dst),
+                2 => values::<R, 2>(c, heads, (lo, n), g0, col, scores, dst),
+                3 => values::<R, 3>(c, heads, (lo, n), g0, col, scores, dst),
+                _ => values::<R, 4>(c, heads, (lo, n), g0, col, scores, dst),
             }
         }
     }
+}
+
+/// Raw q·k of the G query heads of each kv head of `heads` with keys `lo..lo + n` into
+/// `scores[((h - heads.start) * G + g) * n + j]`: by the rows' own kernel for all G heads
+/// ([`Rows::dots_all_heads`]) or one q·k at a time ([`Rows::dot`]) over each run.
+///
+/// # Safety
+/// As [`item_avx512`].
+#[inline(always)]
+unsafe fn key_scores<R: Rows>(c: &DecodeCall<R>, heads: Range<usize>, (lo, n): (usize, usize), scores: &mut [f32]) {
+    let (d, group, h0) = (c.d, c.hq / c.hkv, heads.start);
+    let q_of = |h: usize| &c.q[h * group * d..(h + 1) * group * d];
+    if c.k.dots_all_heads(q_of(h0), h0, lo, n, &mut scores[..group * n]) {
+        for h in heads.start + 1..heads.end {
+            c.k.dots_all_heads(q_of(h), h, lo, n, &mut scores[(h - h0) * group * n..(h - h0 + 1) * group * n]);
+        }
+        return;
+    }
+    let q = &c.q[h0 * group * d..heads.end * group * d];
+    // The queries' `prepare_query`, made once where they fit the stack.
+    let mut preps = [[0f32; MAX_GROUPS]; MAX_ITEM_QHEADS];
+    let prepared = heads.len() * group <= MAX_ITEM_QHEADS;
+    if prepared {
+        for (prep, qh) in preps.iter_mut().zip(q.chunks_exact(d)) {
+            *prep = c.k.prepare_query(qh);
+        }
+    }
+    walk(&c.k, heads, (lo, n, d), |h, j0, first, run| {
+        for g in 0..group {
+            let i = (h - h0) * group + g;
+            let fresh;
+            let prep = match prepared {
+                true => &preps[i],
+                false => {
+                    fresh = c.k.prepare_query(&q[i * d..(i + 1) * d]);
+                    &fresh
+                }
+            };
+            let mut row = first;
+            for s in &mut scores[i * n + j0..i * n + j0 + run] {
+                *s = c.k.dot(row, q[i * d..].as_ptr(), d, prep);
+                row = c.k.next_row(row);
+            }
+        }
+    });
 }
 
 /// The sum of `x` in 16 lanes (vectorized; the order differs from a sequential sum).
@@ -407,31 +575,45 @@ fn sum_lanes(x: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + rest
 }
 
-/// Σ_j p[g][j] · v[j][col..col+64] for heads g0..g0+G, accumulated in 4·G registers.
+/// Σ_j p[g][j] · v[j][col..col+64] for query heads g0..g0+G of each kv head of `heads`,
+/// accumulated in 4·G registers over a run (kept in `dst` between a head's runs: the same
+/// sums, in the same order, as over one run).
 ///
 /// # Safety
 /// As [`item_avx512`].
 #[inline]
 #[target_feature(enable = "avx512f,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn values<R: Rows, const G: usize>(c: &DecodeCall<R>, h: usize, lo: usize, n: usize, g0: usize, col: usize, p: &[f32], dst: &mut [f32]) {
-    let d = c.d;
-    let mut acc = [[_mm512_setzero_ps(); 4]; G];
-    for j in 0..n {
-        let vr = c.v.row_at(h, lo + j, d);
-        let v = c.v.load64(vr, col);
-        for (g, a) in acc.iter_mut().enumerate() {
-            let w = _mm512_set1_ps(*p.get_unchecked((g0 + g) * n + j));
-            for (ai, vi) in a.iter_mut().zip(v) {
-                *ai = _mm512_fmadd_ps(w, vi, *ai);
+unsafe fn values<R: Rows, const G: usize>(c: &DecodeCall<R>, heads: Range<usize>, (lo, n): (usize, usize), g0: usize, col: usize, p: &[f32], dst: &mut [f32]) {
+    let (d, group, h0) = (c.d, c.hq / c.hkv, heads.start);
+    let stride = partial_len(d);
+    let out_at = |h: usize, g: usize| ((h - h0) * group + g0 + g) * stride + 2 + col;
+    walk(&c.v, heads, (lo, n, d), |h, j0, first, run| {
+        let mut acc = [[_mm512_setzero_ps(); 4]; G];
+        if j0 > 0 {
+            for (g, a) in acc.iter_mut().enumerate() {
+                let o = dst.as_ptr().add(out_at(h, g));
+                for (i, ai) in a.iter_mut().enumerate() {
+                    *ai = _mm512_loadu_ps(o.add(16 * i));
+                }
             }
         }
-    }
-    let stride = partial_len(d);
-    for (g, a) in acc.iter().enumerate() {
-        let o = dst[(g0 + g) * stride + 2 + col..].as_mut_ptr();
-        for (i, ai) in a.iter().enumerate() {
-            _mm512_storeu_ps(o.add(16 * i), *ai);
+        let p = &p[((h - h0) * group + g0) * n..];
+        let mut row = first;
+        for j in j0..j0 + run {
+            let v = c.v.load64(row, col);
+            for (g, a) in acc.iter_mut().enumerate() {
+                let w = _mm512_set1_ps(*p.get_unchecked(g * n + j));
+                for (ai, vi) in a.iter_mut().zip(v) {
+                    *ai = _mm512_fmadd_ps(w, vi, *ai);
+                }
+            }
+            row = c.v.next_row(row);
         }
-    }
+        for (g, a) in acc.iter().enumerate() {
+            let o = dst.as_mut_ptr().add(out_at(h, g));
+            for (i, ai) in a.iter().enumerate() {
+                _mm512_storeu_ps(o.add(16 * i), *ai);
+            }
+        }
+    });
 }

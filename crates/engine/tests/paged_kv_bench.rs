@@ -2,7 +2,9 @@
 //! `cargo test --release -p ferrolm-engine --test paged_kv_bench -- --ignored --nocapture`,
 //! best from a private copy of the test binary). Prints JSON lines:
 //! - `decode`: decode tok/s of one sequence after a prompt of 512 and 4,096 tokens, contiguous
-//!   and paged with blocks of 16, 32 and 64 tokens (the block size was chosen from this);
+//!   and paged with blocks of 16, 32 and 64 tokens (the block size was chosen from this), and
+//!   the calling thread's CPU ms per token (the whole step's with `FERROLM_THREADS=1`: the
+//!   figure to compare on a busy machine);
 //! - `ram`: KV bytes while 4 conversations sharing a system prompt run interleaved (3 turns,
 //!   each turn of the 4 batched), contiguous vs paged, and the process's peak RSS
 //!   (`FERROLM_BENCH_LAYOUT=contiguous|paged` runs one layout per process for a clean RSS).
@@ -28,18 +30,29 @@ fn text_tokens(n: usize) -> Vec<u32> {
     f.prompts.iter().flat_map(|p| p.prompt_ids.iter().copied()).cycle().take(n).collect()
 }
 
-fn decode_rate(model: &dyn CausalLm, cache: &mut ferrolm_kv::SeqCache, prompt: &[u32], n: usize) -> f64 {
+/// This thread's CPU time in ns (`/proc/thread-self/schedstat`): with `FERROLM_THREADS=1` the
+/// whole forward runs on it, and unlike wall time it does not count the time other processes of
+/// a busy machine hold the core.
+fn thread_cpu_ns() -> u64 {
+    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap();
+    stat.split_whitespace().next().unwrap().parse().unwrap()
+}
+
+/// Decode tok/s (wall) and this thread's CPU ms per token, between the first and last token.
+fn decode_rate(model: &dyn CausalLm, cache: &mut ferrolm_kv::SeqCache, prompt: &[u32], n: usize) -> (f64, f64) {
     let cfg = SamplerConfig { vocab_size: model.info().vocab_size, ..Default::default() };
     let sampling = SamplingParams::default();
     let params = GenerateParams { max_tokens: n, sampling: sampling.clone(), ..Default::default() };
     let input = GenerateInput { prompt, params: &params, eos_ids: &[], cancel: &CancelToken::new(), graph: Default::default() };
     let mut times = Vec::new();
     generate(model, cache, input, &mut Sampler::new(&sampling, &cfg).unwrap(), &mut |_| {
-        times.push(Instant::now());
+        times.push((Instant::now(), thread_cpu_ns()));
         Flow::Continue
     })
     .unwrap();
-    (times.len() - 1) as f64 / (times[times.len() - 1] - times[0]).as_secs_f64()
+    let ((t0, c0), (t1, c1)) = (times[0], times[times.len() - 1]);
+    let tokens = (times.len() - 1) as f64;
+    (tokens / (t1 - t0).as_secs_f64(), (c1 - c0) as f64 / 1e6 / tokens)
 }
 
 #[test]
@@ -55,8 +68,8 @@ fn decode_speed_by_layout() {
                     Some(bt) => PagedPools::for_model(&model.make_cache(), bt.parse().unwrap()).make(model.make_cache()),
                     None => model.make_cache(),
                 };
-                let rate = decode_rate(model, &mut cache, &prompt, 64);
-                println!("{{\"figure\":\"decode\",\"context\":{context},\"layout\":\"{layout}\",\"round\":{round},\"tok_s\":{rate:.2}}}");
+                let (rate, cpu_ms) = decode_rate(model, &mut cache, &prompt, 64);
+                println!("{{\"figure\":\"decode\",\"context\":{context},\"layout\":\"{layout}\",\"round\":{round},\"tok_s\":{rate:.2},\"cpu_ms_per_token\":{cpu_ms:.3}}}");
             }
         }
     }

@@ -165,8 +165,6 @@ fn turbo_kernels_read_rows_in_place() {
 fn turbo_decode_batch_equals_each_alone() {
     ferrolm_backend::cpu::set_exact_activations(true);
     let dev = Device::Cpu;
-    let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    let p = AttentionParams { scale: 0.125, window: None, softcap: None };
     for quant in turbo_formats() {
         let data: Vec<(Tensor, Tensor, Tensor, usize)> = [1, 70, 1000]
             .iter()
@@ -175,13 +173,7 @@ fn turbo_decode_batch_equals_each_alone() {
                 (Tensor::randn(0f32, 1.0, (1, 8, 64), &dev).unwrap(), k, v, s)
             })
             .collect();
-        let queries: Vec<DecodeQuery> =
-            data.iter().map(|(q, k, v, s)| DecodeQuery { q, k, v, quant: Some(quant), pos: Positions { query_start: s - 1, key_start: 0 } }).collect();
-        let batch = attend_decode_batch(&queries, &p).unwrap();
-        for (i, d) in queries.iter().enumerate() {
-            let alone = attend_quant(d.q, d.k, d.v, d.quant, d.pos, &p).unwrap();
-            assert_eq!(bits(&batch.narrow(0, i, 1).unwrap()), bits(&alone), "{} sequence {i}", quant.name());
-        }
+        common::assert_batch_equals_alone(&data, quant);
     }
 }
 

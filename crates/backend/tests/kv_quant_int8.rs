@@ -6,8 +6,8 @@
 //! wide, while `kv_quant_attention` keeps them exact.
 
 use candle_core::{Device, Tensor};
-use ferrolm_backend::attention::{attend_decode_batch, attend_quant, AttentionParams, DecodeQuery, Positions};
-use ferrolm_backend::kv_quant::{hadamard_block, quantize, rotate_rows, KvQuant};
+use ferrolm_backend::attention::{attend_quant, AttentionParams, Positions};
+use ferrolm_backend::kv_quant::{quantize, rotate_rows, KvQuant};
 
 mod common;
 
@@ -18,35 +18,6 @@ fn int8_path() -> bool {
         eprintln!("skipped: no AVX-512 VNNI on this CPU");
     }
     on
-}
-
-/// The query's values as the kernel multiplies them: per 32-value block d = max|q| / 127 (f32),
-/// q8 = round(q / d), read back as d·q8.
-fn rounded_query(q: &[f32]) -> Vec<f64> {
-    q.chunks_exact(32)
-        .flat_map(|b| {
-            let d = b.iter().fold(0f32, |m, x| m.max(x.abs())) / 127.0;
-            b.iter().map(move |x| if d > 0.0 { (x / d).round() as f64 * d as f64 } else { 0.0 })
-        })
-        .collect()
-}
-
-/// The normalized Walsh–Hadamard transform in f64 (the output's rotation back).
-fn unrotate(x: &mut [f64]) {
-    let n = hadamard_block(x.len());
-    for block in x.chunks_exact_mut(n) {
-        let mut h = 1;
-        while h < n {
-            for i in (0..n).step_by(2 * h) {
-                for j in i..i + h {
-                    let (a, b) = (block[j], block[j + h]);
-                    (block[j], block[j + h]) = (a + b, a - b);
-                }
-            }
-            h *= 2;
-        }
-        block.iter_mut().for_each(|v| *v /= (n as f64).sqrt());
-    }
 }
 
 /// Reference decode attention in f64 over rows `[hkv, s, row_bytes]`: scores per key
@@ -62,7 +33,7 @@ fn reference(quant: KvQuant, q: &[f32], k: &[u8], v: &[u8], hq: usize, hkv: usiz
         if quant.rotate {
             rotate_rows(&mut qr, d);
         }
-        let qt: Vec<f64> = if rounded { rounded_query(&qr) } else { qr.iter().map(|x| *x as f64).collect() };
+        let qt: Vec<f64> = if rounded { common::rounded_query(&qr) } else { qr.iter().map(|x| *x as f64).collect() };
         let scores: Vec<f64> = (keys.0..keys.1)
             .map(|t| {
                 let r = row(k, h, t);
@@ -89,7 +60,7 @@ fn reference(quant: KvQuant, q: &[f32], k: &[u8], v: &[u8], hq: usize, hkv: usiz
             }
         }
         if quant.rotate {
-            unrotate(&mut o);
+            common::fwht(&mut o);
         }
         out.extend(o);
     }
@@ -139,8 +110,6 @@ fn int8_decode_batch_equals_each_alone() {
         return;
     }
     let dev = Device::Cpu;
-    let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    let p = AttentionParams { scale: 0.125, window: None, softcap: None };
     for quant in [KvQuant::new(8, 32).unwrap(), KvQuant::new(4, 64).unwrap().with_rotation(false)] {
         let data: Vec<(Tensor, Tensor, Tensor, usize)> = [1, 70, 1000]
             .iter()
@@ -149,13 +118,7 @@ fn int8_decode_batch_equals_each_alone() {
                 (Tensor::randn(0f32, 1.0, (1, 8, 64), &dev).unwrap(), make(), make(), s)
             })
             .collect();
-        let queries: Vec<DecodeQuery> =
-            data.iter().map(|(q, k, v, s)| DecodeQuery { q, k, v, quant: Some(quant), pos: Positions { query_start: s - 1, key_start: 0 } }).collect();
-        let batch = attend_decode_batch(&queries, &p).unwrap();
-        for (i, d) in queries.iter().enumerate() {
-            let alone = attend_quant(d.q, d.k, d.v, d.quant, d.pos, &p).unwrap();
-            assert_eq!(bits(&batch.narrow(0, i, 1).unwrap()), bits(&alone), "{} sequence {i}", quant.name());
-        }
+        common::assert_batch_equals_alone(&data, quant);
     }
 }
 

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 use candle_core::{Device, Tensor};
+use ferrolm_backend::attention::{attend_decode_batch, attend_quant, AttentionParams, DecodeQuery, Positions};
 use ferrolm_backend::kv_quant::{turbo, KvQuant};
 
 /// TurboQuant halves `k`, `v` (U8 `[hkv, s, half]`, cut from a longer cache as the cache hands
@@ -27,8 +28,9 @@ pub fn rounded_query(q: &[f32]) -> Vec<f64> {
         .collect()
 }
 
-/// The normalized Walsh–Hadamard transform over blocks of `d`'s largest power-of-two divisor.
-fn fwht(x: &mut [f64]) {
+/// The normalized Walsh–Hadamard transform over blocks of `d`'s largest power-of-two divisor
+/// (its own inverse).
+pub fn fwht(x: &mut [f64]) {
     let n = 1 << x.len().trailing_zeros();
     for block in x.chunks_exact_mut(n) {
         let mut h = 1;
@@ -152,4 +154,18 @@ pub fn max_diff(ours: &Tensor, want: &[f64]) -> f64 {
     let ours = ours.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     assert_eq!(ours.len(), want.len());
     ours.iter().zip(want).map(|(a, b)| (*a as f64 - b).abs()).fold(0f64, f64::max)
+}
+
+/// Decode rows of several sequences in one pass (`data`: each sequence's query, quantized k and
+/// v, and cache length) equal each sequence alone, bit for bit.
+pub fn assert_batch_equals_alone(data: &[(Tensor, Tensor, Tensor, usize)], quant: KvQuant) {
+    let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let p = AttentionParams { scale: 0.125, window: None, softcap: None };
+    let queries: Vec<DecodeQuery> =
+        data.iter().map(|(q, k, v, s)| DecodeQuery { q, k, v, quant: Some(quant), pos: Positions { query_start: s - 1, key_start: 0 } }).collect();
+    let batch = attend_decode_batch(&queries, &p).unwrap();
+    for (i, d) in queries.iter().enumerate() {
+        let alone = attend_quant(d.q, d.k, d.v, d.quant, d.pos, &p).unwrap();
+        assert_eq!(bits(&batch.narrow(0, i, 1).unwrap()), bits(&alone), "{} sequence {i}", quant.name());
+    }
 }
